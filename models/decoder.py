@@ -1,0 +1,100 @@
+"""Llama / Qwen2 decoder over packed ragged tokens, tensor parallel.
+
+Parameter names mirror Hugging Face's (`model.layers.0.self_attn...`, `lm_head`), with
+q/k/v and gate/up fused; `models.loader` maps checkpoint names onto them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention import AttnBatch, paged_attention
+from models.config import ModelArch
+from models.layers import RMSNorm, RotaryEmbedding
+from models.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                             TPGroup, VocabParallelEmbedding)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (S, nkv_local, hd) keys and values of one layer
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, tp,
+                                          bias=arch.qkv_bias)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, tp)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.nh, self.nkv, self.hd = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, arch.head_dim
+        self.scale = arch.head_dim ** -0.5
+
+    def new_kv_cache(self, num_slots: int) -> KVCache:
+        w = self.qkv_proj.weight
+        shape = (num_slots, self.nkv, self.hd)
+        return torch.zeros(shape, dtype=w.dtype, device=w.device), torch.zeros(shape, dtype=w.dtype, device=w.device)
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache) -> torch.Tensor:
+        # x: (T, H)
+        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k = self.rotary(batch.positions, q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd))
+        out = paged_attention(q, k, v.view(-1, self.nkv, self.hd), cache, batch, self.scale)  # (T, nh, hd)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2, tp)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, tp)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch, tp)
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList([DecoderLayer(arch, tp) for _ in range(arch.num_layers)])
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache]) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, batch, cache)
+        return self.norm(x)  # (T, H): the hidden state the head and the MTP module read
+
+
+class CausalLM(nn.Module):
+    """Decoder plus vocab-parallel head. `forward` returns final hidden states; `logits`
+    turns selected ones into full-vocabulary logits on every rank."""
+
+    def __init__(self, arch: ModelArch, tp: TPGroup):
+        super().__init__()
+        self.arch, self.tp = arch, tp
+        self.model = DecoderModel(arch, tp)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache]) -> torch.Tensor:
+        return self.model(ids, batch, caches)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (N, V)
+
+    def new_kv_cache(self, num_slots: int) -> list[KVCache]:
+        return [layer.self_attn.new_kv_cache(num_slots) for layer in self.model.layers]
