@@ -27,7 +27,8 @@ class AttnBatch:
     last_index: torch.Tensor  # (n,) index into T of each sequence's last token
 
     @staticmethod
-    def build(starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int) -> "AttnBatch":
+    def build(starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
+              device: torch.device | str = "cpu") -> "AttnBatch":
         """Sequence i contributes tokens at positions starts[i] .. starts[i] + lengths[i] - 1."""
         n = len(starts)
         lens = torch.tensor(lengths, dtype=torch.long)
@@ -45,7 +46,8 @@ class AttnBatch:
         q_pos = torch.zeros(n, int(lens.max()), dtype=torch.long)  # padded queries see key 0 only
         q_pos[q_seq, q_col] = positions
         mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)
-        return AttnBatch(positions, slots, q_seq, q_col, ctx_slots, mask, first + lens - 1)
+        fields = (positions, slots, q_seq, q_col, ctx_slots, mask, first + lens - 1)
+        return AttnBatch(*(t.to(device) for t in fields))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],

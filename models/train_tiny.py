@@ -140,7 +140,7 @@ def run_loop(params, steps: int, peak_lr: float, loss_fn, batches, desc: str) ->
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
+        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
     return ema
 
 

@@ -1,0 +1,166 @@
+"""YAML -> typed config. Each package owns the dataclass of its concern; this module
+composes them, applies `--set a.b=value` overrides (values parsed as YAML) and validates,
+with errors that name the key and what it accepts."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from controller.config import ESTIMATORS, METHODS, SpeculativeConfig
+from models.config import ModelConfig
+from workers.config import DEVICES, PLACEMENTS, CacheConfig, ParallelConfig
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class ConfigError(ValueError):
+    """A config value is malformed; the message names the key."""
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences decoded together
+    max_prefill_tokens: int = 2048  # prompt tokens per prefill step (longer prompts are chunked)
+    max_waiting: int = 1024  # queued requests beyond this are refused
+    digest_every: int = 1  # compare rank digests every N steps; 0 never
+
+
+@dataclass
+class ClusterConfig:
+    address: str | None = None  # a Ray cluster address ("auto", "ray://host:10001"); None starts Ray here
+    num_cpus: int | None = None  # logical CPUs of the embedded Ray (None: as many as the ranks need)
+    temp_dir: str | None = None  # Ray's session directory for the embedded instance
+    include_dashboard: bool = False
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str = "adaspec-tiny"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    bench: dict = field(default_factory=dict)  # read by cluster.bench
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "speculative.method": METHODS, "speculative.adaptive.estimator": ESTIMATORS, "parallel.device": DEVICES,
+    "parallel.placement_strategy": PLACEMENTS, "model.dtype": DTYPE_NAMES,
+}
+POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
+            "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, not {type(raw).__name__}")
+    for item in overrides or []:
+        apply_override(raw, item)
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`a.b.c=value`, with value parsed as YAML (`bench.ks=[3,5]`, `x.enabled=true`)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected key.path=value")
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML") from None
+
+
+def _build(cls, raw: Any, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix + str(unknown[0])!r}; allowed under "
+                          f"{prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}")
+    values = {}
+    for name, value in raw.items():
+        key, hint = prefix + name, hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value if value is not None else {}, key + ".")
+        else:
+            values[name] = _coerce(key, hint, value)
+    return cls(**values)
+
+
+def _coerce(key: str, hint, value):
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        base = typing.get_origin(t) or t
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base is bool and isinstance(value, bool):
+            return value
+        if base in (int, str, dict, list) and isinstance(value, base) and not (base is int and isinstance(value, bool)):
+            return value
+    names = " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+    raise ConfigError(f"{key}: expected {names}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
+    for key in POSITIVE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 1")
+    k = cfg.speculative.num_speculative_tokens
+    if cfg.speculative.enabled and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"speculative.num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
+    if cfg.cache.kv_tokens < cfg.model.max_model_len:
+        raise ConfigError(f"cache.kv_tokens={cfg.cache.kv_tokens} is smaller than model.max_model_len="
+                          f"{cfg.model.max_model_len}: one full-length sequence would not fit")
+
+
+def _get(cfg: Config, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node

@@ -1,0 +1,196 @@
+"""The Engine: request lifecycle on the driver. It owns the scheduler and the worker
+group; each `step()` sends one StepPlan to every rank, checks that the ranks agree
+(digests), applies the emitted tokens and finishes sequences on EOS, stop strings,
+max_tokens or the context limit."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from cluster.config import Config
+from cluster.request import RequestError, RequestOutput, RequestParams, Sequence, Status
+from cluster.scheduler import Scheduler
+from workers.plan import SamplingParams, StepResult, StepStats
+from workers.worker import check_model_dirs
+
+log = logging.getLogger("adaspec.engine")
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks computed different decisions or tokens for the same step."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_steps: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    draft_ms: float = 0.0
+    validate_ms: float = 0.0
+    step_ms: float = 0.0
+    dispatch_ms: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    verified_per_position: list[int] = field(default_factory=list)
+
+    def add(self, s: StepStats, dispatch_ms: float, decode: bool) -> None:
+        self.steps += 1
+        self.decode_steps += decode
+        self.draft_ms += s.draft_ms
+        self.validate_ms += s.validate_ms
+        self.step_ms += s.step_ms
+        self.dispatch_ms += dispatch_ms
+        for mine, new in ((self.accepted_per_position, s.accepted_per_position),
+                          (self.verified_per_position, s.verified_per_position)):
+            mine.extend([0] * (len(new) - len(mine)))
+            for j, v in enumerate(new):
+                mine[j] += v
+
+
+class Engine:
+    def __init__(self, cfg: Config, workers=None, tokenizer=None):
+        self.cfg = cfg
+        self.arch = check_model_dirs(cfg.model, cfg.speculative, cfg.parallel.tp_size)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.target)
+        self.eos_ids = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.max_model_len = min(cfg.model.max_model_len, self.arch.max_position_embeddings)
+        self.workers = workers if workers is not None else make_worker_group(cfg)
+        self.scheduler = Scheduler(cfg.cache.num_blocks, cfg.cache.block_size, cfg.engine.max_num_seqs,
+                                   cfg.engine.max_prefill_tokens, cfg.speculative.k, self.max_model_len)
+        self.seqs: dict[int, Sequence] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._requests = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None) -> str:
+        params.validate()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("prompt is empty")
+        if any(not 0 <= t < self.arch.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together more "
+                               f"than the context length {self.max_model_len}")
+        if len(self.scheduler.waiting) >= self.cfg.engine.max_waiting:
+            raise RequestError("the waiting queue is full; retry later")
+        request_id = request_id or f"req-{next(self._requests)}"
+        base_seed = params.seed if params.seed is not None else hash(request_id) & 0x7FFFFFFF
+        for i in range(params.n):
+            sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=base_seed * 7919 + i)
+            seq = Sequence(next(self._ids), request_id, i, ids, params, sampling)
+            self.seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+        return request_id
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: send token ids")
+        return self.tokenizer(text)["input_ids"]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        plan, seqs = scheduled
+        t0 = time.perf_counter()
+        results = self.workers.step(plan)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        self._check_digests(plan.step, results)
+        lead = results[0]
+        self.stats.add(lead.stats, max(0.0, wall_ms - lead.stats.step_ms), plan.decode)
+        by_id = {s.seq_id: s for s in seqs}
+        updates = []
+        for out in lead.outputs:
+            seq = by_id[out.seq_id]
+            seq.steps += 1
+            seq.drafted += out.drafted
+            seq.verified += out.verified
+            seq.accepted += out.accepted
+            self.stats.drafted += out.drafted
+            self.stats.verified += out.verified
+            self.stats.accepted += out.accepted
+            updates.append(self._append(seq, out.new_tokens))
+        return updates
+
+    def _check_digests(self, step: int, results: list[StepResult]) -> None:
+        every = self.cfg.engine.digest_every
+        if every and step % every == 0:
+            digests = {r.digest for r in results}
+            if len(digests) > 1:
+                ranks = [r.rank for r in results if r.digest != results[0].digest]
+                raise RankDivergenceError(f"step {step}: ranks {ranks} disagree with rank 0 on what was decided "
+                                          f"and emitted")
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        new = []
+        for t in tokens:
+            seq.output_ids.append(t)
+            new.append(t)
+            if not seq.params.ignore_eos and t in self.eos_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= seq.params.max_tokens or seq.total_len >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        seq.text = self.decode(seq.output_ids)
+        for s in seq.params.stop:
+            cut = seq.text.find(s)
+            if cut >= 0:
+                seq.text, seq.finish_reason = seq.text[:cut], "stop"
+        if seq.finish_reason:
+            self.scheduler.finish(seq)
+        self.stats.emitted += len(new)
+        return RequestOutput(seq.request_id, seq.sample_index, seq.prompt_ids, list(seq.output_ids), seq.text,
+                             seq.status is Status.FINISHED, seq.finish_reason, new, seq.steps, seq.drafted,
+                             seq.verified, seq.accepted)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompts: list[str | list[int]], params: RequestParams) -> list[list[RequestOutput]]:
+        """Run prompts to completion; returns, per prompt, its `n` finished outputs."""
+        rids = [self.add_request(p, params) for p in prompts]
+        final: dict[tuple[str, int], RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finished:
+                    final[(out.request_id, out.sample_index)] = out
+        return [[final[(rid, i)] for i in range(params.n)] for rid in rids]
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+
+
+def load_tokenizer(path: str):
+    from pathlib import Path
+
+    if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def make_worker_group(cfg: Config):
+    from cluster.ray_env import ensure_ray
+    from cluster.worker_group import RayWorkerGroup
+
+    ensure_ray(cfg)
+    return RayWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache)

@@ -1,0 +1,25 @@
+"""Connect to Ray: an address from the config, or an embedded local instance."""
+from __future__ import annotations
+
+import math
+import os
+
+from cluster.config import Config
+
+
+def ensure_ray(cfg: Config) -> bool:
+    """Initialise Ray if needed; returns True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, log_to_driver=False)
+        return True
+    p = cfg.parallel
+    need = math.ceil(p.tp_size * max(p.num_cpus_per_worker, 0.01)) + 1  # ranks plus the driver
+    ray.init(num_cpus=cfg.cluster.num_cpus or need, include_dashboard=cfg.cluster.include_dashboard,
+             _temp_dir=cfg.cluster.temp_dir, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    return True

@@ -1,0 +1,91 @@
+"""Requests, their sequences, and what the Engine reports back."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from workers.plan import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request is malformed; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k!r}")
+        if not 1 <= self.n <= 16:
+            raise RequestError(f"n must be in 1..16, got {self.n!r}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, nothing computed (or preempted: recomputed from scratch)
+    RUNNING = "running"  # prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    params: RequestParams
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_prefilled: int = 0  # tokens of prefill_ids already sent for prefill
+    prefill_len: int = 0  # len(prefill_ids) when last admitted
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    steps: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a (re)prefill must compute: the prompt, plus all outputs but the last when
+        recomputing after a preemption (the last output is the pending decode input)."""
+        return self.prompt_ids + self.output_ids[:-1]
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    new_token_ids: list[int]
+    steps: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0

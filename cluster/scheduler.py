@@ -1,0 +1,134 @@
+"""Continuous batching: which sequences run this step, and the StepPlan that says so.
+
+A step is either a prefill step (prompt chunks of admitted sequences, up to
+`max_prefill_tokens`) or a decode step (every running sequence). New sequences are
+admitted while there are sequence slots and KV blocks; when running sequences outgrow
+the cache, the youngest is preempted (its blocks freed, recomputed later from its prompt
+and outputs), so nothing crashes and nothing is dropped.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from cluster.request import Sequence, Status
+from workers.plan import SeqPlan, StepPlan
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.free_blocks = deque(range(num_blocks))
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def grow(self, seq: Sequence, positions: int) -> bool:
+        """Make `seq.block_table` cover `positions` positions; False if blocks ran out."""
+        need = self.blocks_for(positions) - len(seq.block_table)
+        if need > len(self.free_blocks):
+            return False
+        seq.block_table.extend(self.free_blocks.popleft() for _ in range(max(0, need)))
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.free_blocks.extend(seq.block_table)
+        seq.block_table = []
+
+
+class Scheduler:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_prefill_tokens: int,
+                 num_spec: int, max_model_len: int):
+        self.blocks = BlockAllocator(num_blocks, block_size)
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.num_spec, self.max_model_len = num_spec, max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.to_free: list[int] = []  # seq ids the workers should forget
+        self.step_index = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.release(seq)
+        self.to_free.append(seq.seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[StepPlan, list[Sequence]] | None:
+        plan = self._prefill_plan() or self._decode_plan()
+        if plan is not None:
+            self.step_index += 1
+        return plan
+
+    # ------------------------------------------------------------------ prefill
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.grow(seq, len(seq.prefill_ids) + self.num_spec + 2):
+                break
+            self.waiting.popleft()
+            seq.status, seq.num_prefilled, seq.prefill_len = Status.RUNNING, 0, len(seq.prefill_ids)
+            self.running.append(seq)
+
+    def _prefill_plan(self) -> tuple[StepPlan, list[Sequence]] | None:
+        self._admit()
+        budget, seqs, plans = self.max_prefill_tokens, [], []
+        for seq in self.running:
+            todo = seq.prefill_ids[seq.num_prefilled:seq.prefill_len]
+            if not todo or budget == 0:
+                continue
+            chunk = todo[:budget]
+            last = len(chunk) == len(todo)
+            plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, prefill=chunk,
+                                 prefill_start=seq.num_prefilled, prefill_last=last,
+                                 next_token=seq.output_ids[-1] if last and seq.output_ids else None))
+            seq.num_prefilled += len(chunk)
+            budget -= len(chunk)
+            seqs.append(seq)
+        if not plans:
+            return None
+        return StepPlan(self.step_index, plans, decode=False, free=self._take_free()), seqs
+
+    # ------------------------------------------------------------------ decode
+    def _decode_plan(self) -> tuple[StepPlan, list[Sequence]] | None:
+        plans: list[SeqPlan] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below while making room
+                continue
+            num_spec = self._num_spec(seq)
+            while not self.blocks.grow(seq, seq.total_len + num_spec + 1):
+                victim = self.running[-1]  # the youngest
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, num_spec=num_spec))
+        if not plans:
+            return None
+        seqs = [s for s in self.running if any(p.seq_id == s.seq_id for p in plans)]
+        order = {s.seq_id: i for i, s in enumerate(seqs)}
+        plans.sort(key=lambda p: order[p.seq_id])
+        return StepPlan(self.step_index, plans, decode=True, free=self._take_free()), seqs
+
+    def _num_spec(self, seq: Sequence) -> int:
+        if not seq.sampling.greedy:
+            return 0  # sampled sequences decode one token a step (no rejection sampler yet)
+        left = seq.params.max_tokens - len(seq.output_ids)
+        room = self.max_model_len - seq.total_len
+        return max(0, min(self.num_spec, left - 1, room - 1))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        self.to_free.append(seq.seq_id)
+        seq.status, seq.num_prefilled = Status.WAITING, 0
+        self.waiting.appendleft(seq)
+
+    def _take_free(self) -> list[int]:
+        out, self.to_free = self.to_free, []
+        return out

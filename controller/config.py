@@ -1,0 +1,29 @@
+"""Speculation settings (the `speculative:` section of a config file)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHODS = ("mtp", "draft_model")
+ESTIMATORS = ("top_prob_calibrated", "top_prob", "token_prob")
+
+
+@dataclass
+class AdaptiveConfig:
+    enabled: bool = False
+    min_gain: float = 0.0  # a kept draft must raise estimated throughput by more than this (tokens/s)
+    estimator: str = "top_prob_calibrated"  # one of ESTIMATORS
+    early_stop: bool = True  # stop drafting once no sequence could keep the next position
+    refit_every: int = 64  # validate-time model refit after this many new samples
+    profile_on_start: bool = True  # run (or reuse) the profiling sweep before serving
+
+
+@dataclass
+class SpeculativeConfig:
+    enabled: bool = True
+    method: str = "mtp"  # one of METHODS
+    num_speculative_tokens: int = 5  # k: draft tokens per sequence per step
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens if self.enabled else 0

@@ -1,0 +1,31 @@
+"""Parallelism and KV-cache settings (the `parallel:` and `cache:` sections)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES = ("cpu", "cuda", "npu")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass
+class ParallelConfig:
+    tp_size: int = 2
+    device: str = "cpu"  # one of DEVICES; picks the collective backend
+    placement_strategy: str = "STRICT_PACK"  # Ray placement group strategy for the TP ranks
+    num_cpus_per_worker: float = 1.0  # Ray CPUs reserved per rank (0 lets many ranks share few cores)
+    threads_per_worker: int = 0  # torch threads per rank; 0 = cores / tp_size (at least 1)
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.device]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # positions per KV block
+    kv_tokens: int = 65536  # KV budget in token positions per sequence-set (all sequences together)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_tokens // self.block_size

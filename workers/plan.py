@@ -1,0 +1,68 @@
+"""What the driver sends every rank each step, and what ranks send back. Typed, never
+loose dicts, so a field added on one side is seen on the other."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = whole vocabulary
+    seed: int = 0  # with the sample index and position, seeds every random draw
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class SeqPlan:
+    seq_id: int
+    block_table: list[int]  # cache blocks of this sequence, covering every position it may write
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prefill: list[int] | None = None  # prefill step: the next chunk of prompt tokens
+    prefill_start: int = 0  # position of prefill[0]; 0 starts (or restarts) the sequence
+    prefill_last: bool = False  # the chunk ends the prompt: sample the first output token
+    next_token: int | None = None  # with prefill_last, a recompute: this token follows (no sampling)
+    num_spec: int = 0  # decode step: draft tokens this sequence may propose
+
+
+@dataclass
+class StepPlan:
+    step: int
+    seqs: list[SeqPlan]
+    decode: bool  # False: every SeqPlan carries a prefill chunk
+    free: list[int] = field(default_factory=list)  # sequence ids to forget before the step
+    time_model_version: int = 0
+
+
+@dataclass
+class SeqOutput:
+    seq_id: int
+    new_tokens: list[int]
+    drafted: int = 0  # draft tokens proposed
+    verified: int = 0  # draft tokens sent to validation
+    accepted: int = 0  # draft tokens accepted
+
+
+@dataclass
+class StepStats:
+    draft_ms: float = 0.0
+    validate_ms: float = 0.0
+    step_ms: float = 0.0
+    draft_steps: int = 0  # autoregressive draft forwards run
+    num_seqs: int = 0
+    num_tokens: int = 0  # target tokens computed (sum of q_len)
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: sequences that accepted draft j+1
+    verified_per_position: list[int] = field(default_factory=list)  # [j]: sequences that verified draft j+1
+
+
+@dataclass
+class StepResult:
+    rank: int
+    step: int
+    digest: int  # 64-bit digest of what this rank decided and emitted
+    outputs: list[SeqOutput] | None = None  # rank 0 only
+    stats: StepStats | None = None  # rank 0 only

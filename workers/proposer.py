@@ -1,0 +1,113 @@
+"""Draft proposers: the MTP module and a small draft LM, behind one interface.
+
+Each step a proposer first *catches up*: it computes, in one packed forward, every
+position that became final since it last ran (the tokens accepted by the last validation)
+and so produces the distribution of draft 1. Then `next` runs one autoregressive draft
+step for all sequences at once. Draft-cache slots written by `next` are speculative; they
+are overwritten by a later catch-up, since KV writes are indexed by position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.attention import AttnBatch
+from models.decoder import CausalLM
+from models.mtp import MTPModule
+
+
+@dataclass
+class SeqState:
+    """One sequence on one rank. Positions 0..num_computed-1 are in the target cache;
+    tokens[-1] (the last emitted token) is not, during decode."""
+
+    seq_id: int
+    tokens: list[int]
+    block_table: list[int]
+    num_computed: int = 0
+    draft_len: int = 0  # proposer cache positions below this are final
+    hidden: torch.Tensor | None = None  # MTP: target hiddens of positions hidden_start..num_computed-1, (m, H)
+    hidden_start: int = 0
+
+    def add_hidden(self, h: torch.Tensor) -> None:
+        self.hidden = h if self.hidden is None else torch.cat([self.hidden, h])
+
+
+class Proposer:
+    def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
+        """Catch up and return the logits of draft 1, (n, V)."""
+        raise NotImplementedError
+
+    def next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed draft j (n,) and return the logits of draft j+1, (n, V)."""
+        raise NotImplementedError
+
+    def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
+        """After validation: `accepted` of the drafts were accepted, `draft_steps` were drafted."""
+
+    def _batch_next(self, tokens: torch.Tensor) -> AttnBatch:
+        self._pos = [p + 1 for p in self._pos]
+        return AttnBatch.build(self._pos, [1] * len(self._pos), self._tables, self._block_size, tokens.device)
+
+
+class DraftModelProposer(Proposer):
+    """A small LM replicated on every rank, with its own cache in the target's block layout."""
+
+    def __init__(self, model: CausalLM, num_slots: int):
+        self.model = model
+        self.cache = model.new_kv_cache(num_slots)
+
+    def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
+        starts = [s.draft_len for s in seqs]
+        lens = [len(s.tokens) - s.draft_len for s in seqs]
+        device = self.model.lm_head.weight.device
+        ids = torch.tensor([t for s in seqs for t in s.tokens[s.draft_len:]], device=device)
+        self._tables, self._block_size = [s.block_table for s in seqs], block_size
+        batch = AttnBatch.build(starts, lens, self._tables, block_size, device)
+        hidden = self.model(ids, batch, self.cache)[batch.last_index]
+        for s in seqs:
+            s.draft_len = len(s.tokens)
+        self._pos = [len(s.tokens) - 1 for s in seqs]
+        return self.model.logits(hidden)
+
+    def next(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch = self._batch_next(tokens)
+        return self.model.logits(self.model(tokens, batch, self.cache))
+
+    def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
+        # drafts 1..draft_steps-1 were fed to the cache; those accepted are final
+        seq.draft_len += min(accepted, max(draft_steps - 1, 0))
+
+
+class MTPProposer(Proposer):
+    """The MTP module, sharded like the target, reading the target's hidden states."""
+
+    def __init__(self, mtp: MTPModule, target: CausalLM, num_slots: int):
+        self.mtp, self.target = mtp, target
+        self.cache = mtp.new_kv_cache(num_slots)
+
+    def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
+        # pair at position p: (target hidden at p-1, token at p), for p = draft_len .. len(tokens)-1
+        starts, lens, hid = [], [], []
+        for s in seqs:
+            start = max(s.draft_len, 1)
+            starts.append(start)
+            lens.append(len(s.tokens) - start)
+            hid.append(s.hidden[start - 1 - s.hidden_start:])
+        device = self.mtp.eh_proj.weight.device
+        ids = torch.tensor([t for s, a in zip(seqs, starts) for t in s.tokens[a:]], device=device)
+        self._tables, self._block_size = [s.block_table for s in seqs], block_size
+        batch = AttnBatch.build(starts, lens, self._tables, block_size, device)
+        out = self.mtp(self.target.model.embed_tokens(ids), torch.cat(hid), batch, self.cache)
+        self._hidden = out[batch.last_index]  # (n, H)
+        for s in seqs:
+            s.draft_len = len(s.tokens)
+            s.hidden, s.hidden_start = None, s.num_computed
+        self._pos = [len(s.tokens) - 1 for s in seqs]
+        return self.target.logits(self._hidden)
+
+    def next(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch = self._batch_next(tokens)
+        self._hidden = self.mtp(self.target.model.embed_tokens(tokens), self._hidden, batch, self.cache)
+        return self.target.logits(self._hidden)

@@ -1,0 +1,157 @@
+"""One rank's model state and step, without Ray: prefill, and the speculative decode step
+
+    draft (proposer) -> decide keep[i] -> validate [last, d_1..d_keep[i]] -> accept -> commit
+
+The validate forward packs ragged queries, so its cost follows sum(keep[i] + 1), not
+batch * (k + 1). Every rank runs this same code on the same inputs and so reaches the
+same tokens; `digest` lets the driver check that.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from models.attention import AttnBatch
+from models.decoder import CausalLM
+from workers.plan import SeqOutput, SeqPlan, StepPlan, StepResult, StepStats
+from workers.proposer import MTPProposer, Proposer, SeqState
+from workers.sampler import greedy_accept, sample_token
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor  # (n, k) draft tokens
+    probs: torch.Tensor  # (n, k, V) draft distributions they were drawn from
+    steps: int  # draft forwards run (k, or fewer after an early stop)
+
+
+class ModelRunner:
+    def __init__(self, rank: int, target: CausalLM, proposer: Proposer | None, num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu"):
+        self.rank, self.device = rank, torch.device(device)
+        self.target, self.proposer = target, proposer
+        self.keep_hidden = isinstance(proposer, MTPProposer)  # only MTP reads the target's hidden states
+        self.block_size = block_size
+        self.cache = target.new_kv_cache(num_blocks * block_size)
+        self.seqs: dict[int, SeqState] = {}
+
+    # ------------------------------------------------------------------ entry
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for seq_id in plan.free:
+            self.seqs.pop(seq_id, None)
+        stats = StepStats(num_seqs=len(plan.seqs))
+        outputs = self._decode(plan, stats) if plan.decode else self._prefill(plan, stats)
+        stats.step_ms = (time.perf_counter() - t0) * 1e3
+        digest = _digest(plan.step, outputs)
+        if self.rank != 0:
+            return StepResult(self.rank, plan.step, digest)
+        return StepResult(self.rank, plan.step, digest, outputs, stats)
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, plan: StepPlan, stats: StepStats) -> list[SeqOutput]:
+        seqs = []
+        for p in plan.seqs:
+            if p.prefill_start == 0:
+                self.seqs[p.seq_id] = SeqState(p.seq_id, [], p.block_table)
+            s = self.seqs[p.seq_id]
+            assert s.num_computed == p.prefill_start, f"seq {p.seq_id}: prefill at {p.prefill_start}, has {s.num_computed}"
+            s.tokens.extend(p.prefill)
+            s.block_table = p.block_table
+            seqs.append(s)
+        lens = [len(p.prefill) for p in plan.seqs]
+        batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
+                                self.device)
+        ids = torch.tensor([t for p in plan.seqs for t in p.prefill], device=self.device)
+        hidden = self.target(ids, batch, self.cache)  # (T, H)
+        stats.num_tokens = len(ids)
+        last = [i for i, p in enumerate(plan.seqs) if p.prefill_last]
+        logits = self.target.logits(hidden[batch.last_index[last]]).cpu() if last else None
+        outputs = []
+        for s, h in zip(seqs, hidden.split(lens)):
+            s.num_computed += len(h)
+            if self.keep_hidden:
+                s.add_hidden(h)
+        for row, i in enumerate(last):
+            s, p = seqs[i], plan.seqs[i]
+            if p.next_token is not None:  # recomputed after a preemption: the token is known
+                s.tokens.append(p.next_token)
+                continue
+            token = sample_token(logits[row], p.sampling, position=len(s.tokens))
+            s.tokens.append(token)
+            outputs.append(SeqOutput(p.seq_id, [token]))
+        return outputs
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, plan: StepPlan, stats: StepStats) -> list[SeqOutput]:
+        seqs = [self.seqs[p.seq_id] for p in plan.seqs]
+        for s, p in zip(seqs, plan.seqs):
+            s.block_table = p.block_table
+        k = max(p.num_spec for p in plan.seqs) if self.proposer is not None else 0
+        t0 = time.perf_counter()
+        draft = self._draft(seqs, k)
+        stats.draft_ms = (time.perf_counter() - t0) * 1e3
+        keep = torch.tensor([min(p.num_spec, draft.steps) for p in plan.seqs])  # static k
+        t1 = time.perf_counter()
+        lens = (keep + 1).tolist()
+        batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
+                                self.device)
+        ids = torch.tensor([t for i, s in enumerate(seqs) for t in [s.tokens[-1]] + draft.tokens[i, :keep[i]].tolist()],
+                           device=self.device)
+        hidden = self.target(ids, batch, self.cache)
+        logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
+        stats.validate_ms = (time.perf_counter() - t1) * 1e3
+        stats.num_tokens, stats.draft_steps = len(ids), draft.steps
+        return self._accept(plan, seqs, draft, keep, batch, hidden, logits, stats)
+
+    def _draft(self, seqs: list[SeqState], k: int) -> DraftBlock:
+        n = len(seqs)
+        if k == 0:
+            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, 0, 0), 0)
+        tokens, probs = [], []
+        logits = self.proposer.begin(seqs, self.block_size)
+        for j in range(k):
+            q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
+            d = q.argmax(dim=-1)  # greedy drafts; sampled drafting comes with rejection sampling
+            tokens.append(d)
+            probs.append(q)
+            if j < k - 1:
+                logits = self.proposer.next(d.to(self.device))
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), k)
+
+    def _accept(self, plan, seqs, draft, keep, batch, hidden, logits, stats) -> list[SeqOutput]:
+        n, kmax = len(seqs), int(keep.max())
+        target_argmax = torch.zeros(n, kmax + 1, dtype=torch.long)
+        target_argmax[batch.q_seq, batch.q_col] = logits.argmax(dim=-1)
+        accepted = greedy_accept(draft.tokens[:, :kmax], target_argmax, keep)
+        stats.accepted_per_position = [int((accepted > j).sum()) for j in range(draft.steps)]
+        stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
+        outputs = []
+        for i, (s, p, h) in enumerate(zip(seqs, plan.seqs, hidden.split((keep + 1).tolist()))):
+            a = int(accepted[i])
+            if p.sampling.greedy:
+                bonus = int(target_argmax[i, a])
+            else:  # no drafts were kept for sampled sequences (see Engine): a plain sampled step
+                bonus = sample_token(logits[batch.last_index[i]], p.sampling, position=len(s.tokens))
+            emitted = draft.tokens[i, :a].tolist() + [bonus]
+            s.tokens.extend(emitted)
+            s.num_computed += a + 1
+            if self.keep_hidden:
+                s.add_hidden(h[: a + 1])
+            if self.proposer is not None:
+                self.proposer.commit(s, a, draft.steps)
+            outputs.append(SeqOutput(p.seq_id, emitted, drafted=min(p.num_spec, draft.steps),
+                                     verified=int(keep[i]), accepted=a))
+        return outputs
+
+
+def _digest(step: int, outputs: list[SeqOutput]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(step.to_bytes(8, "little"))
+    for o in outputs:
+        h.update(repr((o.seq_id, o.verified, o.new_tokens)).encode())
+    return int.from_bytes(h.digest(), "little")

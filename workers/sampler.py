@@ -1,0 +1,60 @@
+"""Token choice and draft acceptance.
+
+Vocabulary (as vLLM's rejection sampler):
+  draft tokens    d_1..d_L proposed by the proposer and kept for validation
+  accepted tokens the longest prefix of drafts the target agrees with
+  bonus token     one more token from the target after the accepted prefix (the target's
+                  own choice at the first rejection, or after all L were accepted)
+The greedy path is apart from the random one. Every random draw comes from a generator
+seeded by (request seed, position), so every rank draws the same numbers.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.plan import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
+_MASK64 = (1 << 64) - 1
+
+
+def generator_for(seed: int, position: int, stream: int = 0) -> torch.Generator:
+    """Deterministic generator for one draw of one sequence; `stream` separates draws at
+    the same position (draft sample, accept test, residual)."""
+    mixed = ((seed * _SEED_MIX) ^ (position * 0xBF58476D1CE4E5B9) ^ (stream * 0x94D049BB133111EB)) & _MASK64
+    return torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution after temperature, top-k and top-p. logits: (..., V)."""
+    logits = logits.float() / max(params.temperature, 1e-5)
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        outside = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p  # keep the smallest set reaching top_p
+        sorted_p = sorted_p.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """One token from logits (V,) for the token at `position`."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = probs_from_logits(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator_for(params.seed, position)))
+
+
+def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Number of accepted drafts per sequence.
+
+    drafts: (n, K) draft tokens; target_argmax: (n, K+1) the target's argmax after the
+    last emitted token and after each draft (columns past keep[i] are ignored);
+    keep: (n,) drafts each sequence verified. Returns (n,) accepted counts, each <= keep."""
+    k = drafts.shape[1]
+    match = (drafts == target_argmax[:, :k]) & (torch.arange(k).unsqueeze(0) < keep.unsqueeze(1))
+    return match.long().cumprod(dim=1).sum(dim=1)

@@ -1,0 +1,106 @@
+"""`TPWorker`: one tensor-parallel rank. The driver wraps it as a Ray actor (one per rank);
+tests may also run it in-process at TP=1. It owns the process group, its shard of the
+target and draft, the KV cache, and `step(StepPlan) -> StepResult`."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from controller.config import SpeculativeConfig
+from models.config import ModelArch, ModelConfig
+from models.loader import load_causal_lm
+from models.mtp import load_mtp
+from models.parallel import TPGroup
+from workers.config import CacheConfig, ParallelConfig
+from workers.plan import StepPlan, StepResult
+from workers.proposer import DraftModelProposer, MTPProposer, Proposer
+from workers.runner import ModelRunner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INIT_TIMEOUT = timedelta(minutes=5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def device_for(parallel: ParallelConfig, rank: int) -> torch.device:
+    if parallel.device == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device and hccl)
+        except ImportError as e:
+            raise RuntimeError("parallel.device=npu needs torch_npu (pip install 'adaspec[npu]')") from e
+    if parallel.device == "cpu":
+        return torch.device("cpu")
+    # Ray sets the visible devices per actor; each rank sees its own accelerator as index 0.
+    return torch.device(parallel.device, 0)
+
+
+class TPWorker:
+    def __init__(self, rank: int, model: ModelConfig, spec: SpeculativeConfig, parallel: ParallelConfig,
+                 cache: CacheConfig):
+        self.rank, self.model_cfg, self.spec, self.parallel, self.cache_cfg = rank, model, spec, parallel, cache
+        threads = parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // parallel.tp_size)
+        torch.set_num_threads(threads)
+        self.runner: ModelRunner | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's address and a free port on its node, for the process group."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init(self, master_addr: str, master_port: int) -> None:
+        tp = TPGroup()
+        if self.parallel.tp_size > 1:
+            device_for(self.parallel, self.rank)
+            dist.init_process_group(self.parallel.backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=self.rank, world_size=self.parallel.tp_size, timeout=INIT_TIMEOUT)
+            tp = TPGroup(self.rank, self.parallel.tp_size, dist.group.WORLD)
+        self.runner = build_runner(self.rank, tp, self.model_cfg, self.spec, self.cache_cfg,
+                                   device_for(self.parallel, self.rank))
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return self.runner.step(plan)
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeConfig, cache: CacheConfig,
+                 device: torch.device) -> ModelRunner:
+    dtype = DTYPES[model.dtype]
+    target = load_causal_lm(model.target, tp, dtype, device)
+    slots = cache.num_blocks * cache.block_size
+    proposer: Proposer | None = None
+    if spec.enabled and spec.method == "mtp":
+        proposer = MTPProposer(load_mtp(model.mtp, target.arch, tp, dtype, device), target, slots)
+    elif spec.enabled and spec.method == "draft_model":
+        draft = load_causal_lm(model.draft, TPGroup(), dtype, device)  # small: replicated on every rank
+        if draft.arch.vocab_size != target.arch.vocab_size:
+            raise ValueError(f"model.draft vocab_size={draft.arch.vocab_size} differs from the target's "
+                             f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
+        proposer = DraftModelProposer(draft, slots)
+    return ModelRunner(rank, target, proposer, cache.num_blocks, cache.block_size, device)
+
+
+def check_model_dirs(model: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> ModelArch:
+    """Validate paths and shapes on the driver, before any worker starts."""
+    arch = ModelArch.from_dir(model.target)
+    arch.check_tp(tp_size)
+    if spec.enabled:
+        path = model.mtp if spec.method == "mtp" else model.draft
+        key = "model.mtp" if spec.method == "mtp" else "model.draft"
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{key}={path!r} is not a directory")
+    return arch
