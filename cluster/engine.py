@@ -95,6 +95,12 @@ class Engine:
             raise RequestError("this model has no tokenizer: send token ids")
         return self.tokenizer(text)["input_ids"]
 
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Draft tokens per sequence from the next step on (0 turns speculation off)."""
+        if not 0 <= k <= self.cfg.speculative.num_speculative_tokens:
+            raise ValueError(f"k={k} must be in 0..speculative.num_speculative_tokens")
+        self.scheduler.num_spec = k
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

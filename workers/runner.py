@@ -37,6 +37,7 @@ class ModelRunner:
         self.block_size = block_size
         self.cache = target.new_kv_cache(num_blocks * block_size)
         self.seqs: dict[int, SeqState] = {}
+        self.corrupt_digest = False  # fault injection: make this rank's digest disagree
 
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
@@ -47,7 +48,7 @@ class ModelRunner:
         stats = StepStats(num_seqs=len(plan.seqs))
         outputs = self._decode(plan, stats) if plan.decode else self._prefill(plan, stats)
         stats.step_ms = (time.perf_counter() - t0) * 1e3
-        digest = _digest(plan.step, outputs)
+        digest = _digest(plan.step, outputs) ^ int(self.corrupt_digest)
         if self.rank != 0:
             return StepResult(self.rank, plan.step, digest)
         return StepResult(self.rank, plan.step, digest, outputs, stats)

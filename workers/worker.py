@@ -69,6 +69,10 @@ class TPWorker:
     def step(self, plan: StepPlan) -> StepResult:
         return self.runner.step(plan)
 
+    def inject_divergence(self) -> None:
+        """Testing: from now on this rank reports a digest no other rank has."""
+        self.runner.corrupt_digest = True
+
     def ping(self) -> int:
         return self.rank
 

@@ -1,0 +1,24 @@
+"""The `adaspec` command: one subcommand per job, each with --config and --set."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster import generate
+
+COMMANDS = {"generate": generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cluster.common import run_cli
+
+    parser = argparse.ArgumentParser(prog="adaspec", description="Adaptive speculative decoding on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        module.build_parser(sub.add_parser(name, help=module.__doc__.strip().splitlines()[0]))
+    args = parser.parse_args(argv)
+    return run_cli(COMMANDS[args.command].run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""What every entry point shares: config arguments, logging, engine lifetime, and errors
+printed as one line that names the problem."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from typing import Callable, Iterator
+
+from cluster.config import Config, ConfigError, load_config
+from cluster.request import RequestError
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (default: the embedded tiny setup)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, value parsed as YAML (repeatable): --set parallel.tp_size=1")
+    p.add_argument("--log-level", default="WARNING")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+@contextlib.contextmanager
+def open_engine(args: argparse.Namespace, cfg: Config | None = None) -> Iterator["Engine"]:  # noqa: F821
+    """An Engine on the configured Ray; Ray is shut down again if this started it."""
+    from cluster.engine import Engine
+    from cluster.ray_env import ensure_ray
+
+    cfg = cfg or config_from_args(args)
+    started = ensure_ray(cfg)
+    engine = None
+    try:
+        engine = Engine(cfg)
+        yield engine
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def run_cli(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return fn(args)
+    except (ConfigError, RequestError, FileNotFoundError, ValueError, KeyError) as e:
+        print(f"adaspec: error: {e}", file=sys.stderr)
+        return 2

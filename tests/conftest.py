@@ -1,0 +1,69 @@
+"""Shared fixtures: one embedded Ray for the whole session, the bundled tiny pair, and
+held-out ShareGPT prompts."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from cluster.config import Config, load_config  # noqa: E402
+from cluster.request import RequestParams  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="adaspec-ray-", dir="/tmp")
+    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=temp, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def tiny_config(*overrides: str) -> Config:
+    """The embedded default, sized for tests: small cache, ranks sharing the cores."""
+    base = ["parallel.num_cpus_per_worker=0.1", "parallel.threads_per_worker=1", "cache.kv_tokens=16384",
+            "model.max_model_len=512"]
+    return load_config("yamls/tiny.yaml", base + list(overrides))
+
+
+def local_engine(cfg: Config):
+    """A TP=1 engine in this process (no Ray)."""
+    from cluster.engine import Engine
+    from cluster.worker_group import LocalWorkerGroup
+
+    return Engine(cfg, workers=LocalWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache))
+
+
+def greedy(max_tokens: int) -> RequestParams:
+    return RequestParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_ids(results) -> list[list[int]]:
+    return [samples[0].token_ids for samples in results]
+
+
+@pytest.fixture(scope="session")
+def sharegpt_prompts():
+    """8 held-out ShareGPT first turns of mixed length (cut to 4..60 tokens)."""
+    from cluster.engine import load_tokenizer
+    from models.config import ModelConfig
+    from models.data import heldout_prompts
+
+    tok = load_tokenizer(ModelConfig().target)
+    out = []
+    for i, text in enumerate(heldout_prompts(seed=0)):
+        ids = tok(text)["input_ids"]
+        want = (4, 9, 60, 23, 15, 41, 6, 33)[len(out)]
+        if len(ids) >= want:
+            out.append(ids[:want])
+        if len(out) == 8:
+            return out
+    raise AssertionError("not enough held-out prompts")
