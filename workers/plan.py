@@ -55,6 +55,8 @@ class StepStats:
     draft_steps: int = 0  # autoregressive draft forwards run
     num_seqs: int = 0
     num_tokens: int = 0  # target tokens computed (sum of q_len)
+    kv_tokens: int = 0  # sum over sequences of q_len * context length (the time model's third feature)
+    predicted_validate_ms: float = 0.0  # what the time model in force predicted for this validation
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: sequences that accepted draft j+1
     verified_per_position: list[int] = field(default_factory=list)  # [j]: sequences that verified draft j+1
 

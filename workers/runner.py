@@ -12,7 +12,10 @@ import hashlib
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from controller.policy import SpecPolicy
 
 from models.attention import AttnBatch
 from models.decoder import CausalLM
@@ -23,15 +26,16 @@ from workers.sampler import greedy_accept, sample_token
 
 @dataclass
 class DraftBlock:
-    tokens: torch.Tensor  # (n, k) draft tokens
-    probs: torch.Tensor  # (n, k, V) draft distributions they were drawn from
-    steps: int  # draft forwards run (k, or fewer after an early stop)
+    tokens: torch.Tensor  # (n, m) draft tokens
+    top_prob: np.ndarray  # (n, m) the draft's top probability at each position
+    token_prob: np.ndarray  # (n, m) the draft's probability of the drafted token
+    steps: int  # draft forwards run: m <= k (the budget, or fewer after an early stop)
 
 
 class ModelRunner:
-    def __init__(self, rank: int, target: CausalLM, proposer: Proposer | None, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu"):
-        self.rank, self.device = rank, torch.device(device)
+    def __init__(self, rank: int, target: CausalLM, proposer: Proposer | None, policy: SpecPolicy, num_blocks: int,
+                 block_size: int, device: torch.device | str = "cpu"):
+        self.rank, self.device, self.policy = rank, torch.device(device), policy
         self.target, self.proposer = target, proposer
         self.keep_hidden = isinstance(proposer, MTPProposer)  # only MTP reads the target's hidden states
         self.block_size = block_size
@@ -92,11 +96,17 @@ class ModelRunner:
         seqs = [self.seqs[p.seq_id] for p in plan.seqs]
         for s, p in zip(seqs, plan.seqs):
             s.block_table = p.block_table
-        k = max(p.num_spec for p in plan.seqs) if self.proposer is not None else 0
+        kv = np.array([s.num_computed for s in seqs], dtype=np.int64)
+        max_keep = np.array([p.num_spec for p in plan.seqs], dtype=np.int64)
+        k = int(max_keep.max()) if self.proposer is not None else 0
+        version, tm = plan.time_model_version, self.policy.model(plan.time_model_version)
         t0 = time.perf_counter()
-        draft = self._draft(seqs, k)
+        self.policy.begin_step()
+        draft = self._draft(seqs, self.policy.draft_budget(kv, k, version), kv, max_keep, version)
         stats.draft_ms = (time.perf_counter() - t0) * 1e3
-        keep = torch.tensor([min(p.num_spec, draft.steps) for p in plan.seqs])  # static k
+        predicted_draft_ms = draft.steps * tm.draft_step_ms(len(seqs))  # a prediction: identical on every rank
+        keep = torch.from_numpy(self.policy.keep(draft.top_prob, draft.token_prob, kv, max_keep, version,
+                                                 predicted_draft_ms))
         t1 = time.perf_counter()
         lens = (keep + 1).tolist()
         batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
@@ -107,28 +117,41 @@ class ModelRunner:
         logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps = len(ids), draft.steps
+        stats.predicted_validate_ms = tm.validate_ms(keep.numpy() + 1, kv)
+        stats.kv_tokens = int(((keep.numpy() + 1) * kv).sum())
         return self._accept(plan, seqs, draft, keep, batch, hidden, logits, stats)
 
-    def _draft(self, seqs: list[SeqState], k: int) -> DraftBlock:
+    def _draft(self, seqs: list[SeqState], budget: int, kv: np.ndarray, max_keep: np.ndarray,
+               version: int) -> DraftBlock:
         n = len(seqs)
-        if k == 0:
-            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, 0, 0), 0)
-        tokens, probs = [], []
-        logits = self.proposer.begin(seqs, self.block_size)
-        for j in range(k):
-            q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
-            d = q.argmax(dim=-1)  # greedy drafts; sampled drafting comes with rejection sampling
-            tokens.append(d)
-            probs.append(q)
-            if j < k - 1:
+        tokens, top, chosen = [], [], []
+        if budget > 0:
+            tm = self.policy.model(version)
+            logits = self.proposer.begin(seqs, self.block_size)
+            for j in range(budget):
+                q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
+                p_top, d = q.max(dim=-1)  # greedy drafts; sampled drafting comes with rejection sampling
+                tokens.append(d)
+                top.append(p_top)
+                chosen.append(p_top)
+                if j == budget - 1:
+                    break
+                top_so_far = torch.stack(top, 1).double().numpy()
+                if not self.policy.keep_drafting(top_so_far, kv, max_keep, version, (j + 2) * tm.draft_step_ms(n)):
+                    break
                 logits = self.proposer.next(d.to(self.device))
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), k)
+        if not tokens:
+            empty = np.zeros((n, 0))
+            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0)
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(top, 1).double().numpy(),
+                          torch.stack(chosen, 1).double().numpy(), len(tokens))
 
     def _accept(self, plan, seqs, draft, keep, batch, hidden, logits, stats) -> list[SeqOutput]:
         n, kmax = len(seqs), int(keep.max())
         target_argmax = torch.zeros(n, kmax + 1, dtype=torch.long)
         target_argmax[batch.q_seq, batch.q_col] = logits.argmax(dim=-1)
         accepted = greedy_accept(draft.tokens[:, :kmax], target_argmax, keep)
+        self.policy.observe(draft.top_prob[:, :kmax], keep.numpy(), accepted.numpy())
         stats.accepted_per_position = [int((accepted > j).sum()) for j in range(draft.steps)]
         stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
         outputs = []

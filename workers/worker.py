@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from controller.config import SpeculativeConfig
+from controller.policy import SpecPolicy
 from models.config import ModelArch, ModelConfig
 from models.loader import load_causal_lm
 from models.mtp import load_mtp
@@ -95,7 +96,7 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
             raise ValueError(f"model.draft vocab_size={draft.arch.vocab_size} differs from the target's "
                              f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
         proposer = DraftModelProposer(draft, slots)
-    return ModelRunner(rank, target, proposer, cache.num_blocks, cache.block_size, device)
+    return ModelRunner(rank, target, proposer, SpecPolicy(spec), cache.num_blocks, cache.block_size, device)
 
 
 def check_model_dirs(model: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> ModelArch:
