@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster import generate
+from cluster import generate, profile
 
-COMMANDS = {"generate": generate}
+COMMANDS = {"generate": generate, "profile": profile}
 
 
 def main(argv: list[str] | None = None) -> int:

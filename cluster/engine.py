@@ -4,6 +4,7 @@ group; each `step()` sends one StepPlan to every rank, checks that the ranks agr
 max_tokens or the context limit."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -12,6 +13,9 @@ from dataclasses import dataclass, field
 from cluster.config import Config
 from cluster.request import RequestError, RequestOutput, RequestParams, Sequence, Status
 from cluster.scheduler import Scheduler
+from controller.policy import MODES
+from controller.registry import StepSample
+from controller.time_model import TimeModel
 from workers.plan import SamplingParams, StepResult, StepStats
 from workers.worker import check_model_dirs
 
@@ -63,13 +67,31 @@ class Engine:
         self.workers = workers if workers is not None else make_worker_group(cfg)
         self.scheduler = Scheduler(cfg.cache.num_blocks, cfg.cache.block_size, cfg.engine.max_num_seqs,
                                    cfg.engine.max_prefill_tokens, cfg.speculative.k, self.max_model_len)
+        self.profile = self._start_profile() if cfg.speculative.adaptive.enabled and cfg.speculative.enabled else None
+        self.time_model_version = self.profile.version if self.profile else 0
+        self.mode = "adaptive" if self.profile else "static"
         self.seqs: dict[int, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._requests = itertools.count()
 
+    def _start_profile(self):
+        """Time model v1 from the startup sweep (or its cache), installed on every rank,
+        and the registry that refits it online."""
+        from cluster.profile import load_or_profile
+        from cluster.profile_actor import LocalProfileLink, RayProfileLink
+        from cluster.worker_group import LocalWorkerGroup
+
+        adaptive = self.cfg.speculative.adaptive
+        model, samples = load_or_profile(self.workers, self.cfg) if adaptive.profile_on_start else (TimeModel(1), [])
+        model = dataclasses.replace(model, version=1)
+        self.workers.call("install_time_model", model)
+        link = LocalProfileLink if isinstance(self.workers, LocalWorkerGroup) else RayProfileLink
+        return link(adaptive.refit_every, model, samples, self.workers)
+
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None,
+                    oracle_ids: list[int] | None = None) -> str:
         params.validate()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -85,7 +107,7 @@ class Engine:
         base_seed = params.seed if params.seed is not None else hash(request_id) & 0x7FFFFFFF
         for i in range(params.n):
             sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=base_seed * 7919 + i)
-            seq = Sequence(next(self._ids), request_id, i, ids, params, sampling)
+            seq = Sequence(next(self._ids), request_id, i, ids, params, sampling, oracle_ids=oracle_ids)
             self.seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
         return request_id
@@ -94,6 +116,14 @@ class Engine:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: send token ids")
         return self.tokenizer(text)["input_ids"]
+
+    def set_mode(self, mode: str) -> None:
+        """Speculation mode of the following steps: static, adaptive or oracle."""
+        if mode == "adaptive" and self.profile is None:
+            raise ValueError("adaptive mode needs speculative.adaptive.enabled=true (it starts the profile registry)")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        self.mode = mode
 
     def set_num_speculative_tokens(self, k: int) -> None:
         """Draft tokens per sequence from the next step on (0 turns speculation off)."""
@@ -110,12 +140,19 @@ class Engine:
         if scheduled is None:
             return []
         plan, seqs = scheduled
+        if self.profile is not None:
+            self.time_model_version = self.profile.poll(plan.step)
+        plan.time_model_version, plan.mode = self.time_model_version, self.mode
         t0 = time.perf_counter()
         results = self.workers.step(plan)
         wall_ms = (time.perf_counter() - t0) * 1e3
         self._check_digests(plan.step, results)
         lead = results[0]
         self.stats.add(lead.stats, max(0.0, wall_ms - lead.stats.step_ms), plan.decode)
+        if self.profile is not None and plan.decode:
+            st = lead.stats
+            self.profile.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
+                                            st.draft_steps, st.draft_ms)])
         by_id = {s.seq_id: s for s in seqs}
         updates = []
         for out in lead.outputs:

@@ -61,6 +61,7 @@ class Sequence:
     drafted: int = 0
     verified: int = 0
     accepted: int = 0
+    oracle_ids: list[int] | None = None  # benchmark oracle: the target-only reference output
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

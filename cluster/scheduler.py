@@ -107,7 +107,10 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in self.running:
-                plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, num_spec=num_spec))
+                done = len(seq.output_ids)
+                oracle = seq.oracle_ids[done:done + num_spec] if seq.oracle_ids is not None else None
+                plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, num_spec=num_spec,
+                                     oracle=oracle))
         if not plans:
             return None
         seqs = [s for s in self.running if any(p.seq_id == s.seq_id for p in plans)]

@@ -22,6 +22,12 @@ class LocalWorkerGroup:
     def step(self, plan: StepPlan) -> list[StepResult]:
         return [self.worker.step(plan)]
 
+    def call(self, method: str, *args) -> list:
+        return [getattr(self.worker, method)(*args)]
+
+    def call_async(self, method: str, *args) -> list:
+        return self.call(method, *args)
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 
@@ -59,6 +65,15 @@ class RayWorkerGroup:
         import ray
 
         return ray.get([w.step.remote(plan) for w in self.workers])
+
+    def call(self, method: str, *args) -> list:
+        """Run a TPWorker method on every rank at once; results by rank."""
+        import ray
+
+        return ray.get(self.call_async(method, *args))
+
+    def call_async(self, method: str, *args) -> list:
+        return [getattr(w, method).remote(*args) for w in self.workers]
 
     def shutdown(self) -> None:
         import ray

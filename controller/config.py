@@ -15,6 +15,7 @@ class AdaptiveConfig:
     early_stop: bool = True  # stop drafting once no sequence could keep the next position
     refit_every: int = 64  # validate-time model refit after this many new samples
     profile_on_start: bool = True  # run (or reuse) the profiling sweep before serving
+    profile_cache: str = "~/.cache/adaspec/profiles"  # fitted time models, keyed by model/TP/device
 
 
 @dataclass

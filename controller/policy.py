@@ -1,8 +1,17 @@
 """Speculation control on one rank: draft budget, early stop, the keep decision, and
 calibration. Everything here is a deterministic function of what every rank holds (the
-gathered draft distributions, validation outcomes, the plan's step and time-model
-version), so all ranks reach the same answers without talking to each other."""
+gathered draft distributions, validation outcomes, the plan's mode, step and time-model
+version), so all ranks reach the same answers without talking to each other.
+
+Modes (chosen per step by the plan):
+  static    draft k, verify every draft
+  adaptive  draft budget, early stop and the causal keep decision (DESIGN.md section 3)
+  oracle    verify exactly the drafts that match a known reference continuation (benchmark
+            floor on validate cost; needs the reference tokens in the plan)
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -11,25 +20,27 @@ from controller.decision import decide
 from controller.estimators import Calibrator, confidence
 from controller.time_model import TimeModel
 
-PROBE_EVERY = 16  # every 16th decode step drafts and verifies the full k: calibration data
+MODES = ("static", "adaptive", "oracle")
+PROBE_EVERY = 16  # every 16th adaptive decode step drafts and verifies the full k: calibration data
+
+
+@dataclass
+class StepContext:
+    mode: str
+    probe: bool
+    kv: np.ndarray  # (n,) context length of each sequence
+    max_keep: np.ndarray  # (n,) drafts each sequence may verify
+    model: TimeModel
+    oracle: np.ndarray | None  # (n, k) reference tokens after the last emitted one (-1 past the end)
 
 
 class SpecPolicy:
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
-        self.adaptive = cfg.enabled and cfg.adaptive.enabled
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
-        self.probe = False
-        self.decode_steps = 0  # counted identically on every rank (every rank runs every plan)
-
-    def begin_step(self) -> bool:
-        """Start a decode step; True when it is a probe step (no pruning, full budget).
-        Without probes, drafts the estimate calls hopeless are never verified, and the
-        calibrator could never learn that they are not."""
-        self.decode_steps += 1
-        self.probe = self.adaptive and self.decode_steps % PROBE_EVERY == 1
-        return self.probe
+        self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
+        self.ctx: StepContext | None = None
 
     # ------------------------------------------------------------------ time models
     def install(self, model: TimeModel) -> int:
@@ -43,49 +54,76 @@ class SpecPolicy:
             raise KeyError(f"time model version {version} was never installed on this rank")
         return self.models[version]
 
-    # ------------------------------------------------------------------ before drafting
-    def draft_budget(self, kv_lens: np.ndarray, k: int, version: int) -> int:
+    # ------------------------------------------------------------------ one step
+    def begin_step(self, mode: str, kv: np.ndarray, max_keep: np.ndarray, version: int,
+                   oracle: np.ndarray | None = None) -> StepContext:
+        """Without probes, drafts the estimate calls hopeless would never be verified, and
+        the calibrator could never learn that they are not."""
+        if mode not in MODES:
+            raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
+        probe = False
+        if mode == "adaptive":
+            self.adaptive_steps += 1
+            probe = self.adaptive_steps % PROBE_EVERY == 1
+        self.ctx = StepContext(mode, probe, kv, max_keep, self.model(version), oracle)
+        return self.ctx
+
+    def draft_budget(self, k: int) -> int:
         """How many draft steps to run: the m in 0..k that maximises the estimated
         throughput when every sequence has the calibrated acceptance of each position.
         0 means a plain decode step."""
-        if not self.adaptive or k == 0 or self.probe:
+        c = self.ctx
+        if c.mode != "adaptive" or k == 0 or c.probe:
             return k
-        tm, n = self.model(version), len(kv_lens)
+        tm, n, kv = c.model, len(c.kv), c.kv
         rates = self.calibrator.position_rates()[:k]
-        best_m, best = 0, n / tm.validate_ms(np.ones(n), kv_lens)
+        best_m, best = 0, n / tm.validate_ms(np.ones(n), kv)
         for m in range(1, k + 1):
             draft_ms = m * tm.draft_step_ms(n)
-            keep = decide(np.broadcast_to(rates[:m], (n, m)), kv_lens, tm, self.cfg.adaptive.min_gain, draft_ms)
+            keep = decide(np.broadcast_to(rates[:m], (n, m)), kv, tm, self.cfg.adaptive.min_gain, draft_ms,
+                          c.max_keep)
             a = np.cumprod(rates[:m])
             expected = n + sum(a[:L].sum() for L in keep)
-            theta = expected / (draft_ms + tm.validate_ms(keep + 1, kv_lens))
+            theta = expected / (draft_ms + tm.validate_ms(keep + 1, kv))
             if theta > best:
                 best_m, best = m, theta
         return best_m
 
-    # ------------------------------------------------------------------ while drafting
-    def keep_drafting(self, top_prob: np.ndarray, kv_lens: np.ndarray, max_keep: np.ndarray, version: int,
-                      draft_ms: float) -> bool:
-        """After j draft steps (top_prob: (n, j)): would any sequence keep draft j+1 even if
-        it were certain (confidence 1)? If not, drafting further cannot pay: stop."""
-        if not (self.adaptive and self.cfg.adaptive.early_stop) or self.probe:
-            return True
+    def keep_drafting(self, top_prob: np.ndarray, tokens: np.ndarray) -> bool:
+        """After j draft steps (top_prob, tokens: (n, j)), is draft j+1 worth drafting?
+        adaptive: only if some sequence would keep it even with confidence 1;
+        oracle: only if some sequence still matches the reference."""
+        c = self.ctx
         n, j = top_prob.shape
+        if c.mode == "oracle":
+            return bool((self._oracle_match(tokens) >= j).any())
+        if c.mode != "adaptive" or c.probe or not self.cfg.adaptive.early_stop:
+            return True
         conf = np.concatenate([self.confidence(top_prob, top_prob), np.ones((n, 1))], axis=1)
-        keep = decide(conf, kv_lens, self.model(version), self.cfg.adaptive.min_gain, draft_ms, max_keep)
+        draft_ms = (j + 1) * c.model.draft_step_ms(n)  # predicted, never measured: same on every rank
+        keep = decide(conf, c.kv, c.model, self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
         return bool((keep > j).any())
 
-    # ------------------------------------------------------------------ the decision
+    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """(n,) drafts each sequence validates; top_prob, token_prob, tokens: (n, m)."""
+        c = self.ctx
+        m = top_prob.shape[1]
+        if c.mode == "oracle":
+            return np.minimum(np.minimum(self._oracle_match(tokens), c.max_keep), m)
+        if c.mode == "static" or c.probe or m == 0:
+            return np.minimum(c.max_keep, m)
+        conf = self.confidence(top_prob, token_prob)
+        draft_ms = m * c.model.draft_step_ms(len(c.kv))
+        return decide(conf, c.kv, c.model, self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
+
+    def _oracle_match(self, tokens: np.ndarray) -> np.ndarray:
+        j = tokens.shape[1]
+        match = tokens == self.ctx.oracle[:, :j]
+        return np.cumprod(match, axis=1).sum(axis=1)
+
+    # ------------------------------------------------------------------ estimates
     def confidence(self, top_prob: np.ndarray, token_prob: np.ndarray) -> np.ndarray:
         return confidence(self.cfg.adaptive.estimator, top_prob, token_prob, self.calibrator)
-
-    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, kv_lens: np.ndarray, max_keep: np.ndarray,
-             version: int, draft_ms: float) -> np.ndarray:
-        """(n,) drafts each sequence validates."""
-        if not self.adaptive or self.probe:
-            return np.minimum(max_keep, top_prob.shape[1])
-        conf = self.confidence(top_prob, token_prob)
-        return decide(conf, kv_lens, self.model(version), self.cfg.adaptive.min_gain, draft_ms, max_keep)
 
     def observe(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         self.calibrator.update(top_prob, verified, accepted)

@@ -29,6 +29,10 @@ class TimeModel:
         q, kv = np.asarray(q, dtype=np.float64), np.asarray(kv, dtype=np.float64)
         return self.b0 + self.b1 * q.sum() + self.b2 * (q * kv).sum()
 
+    def validate_ms_from(self, q_tokens: int, kv_tokens: int) -> float:
+        """The same prediction from the summed features."""
+        return self.b0 + self.b1 * q_tokens + self.b2 * kv_tokens
+
     def draft_step_ms(self, n: int) -> float:
         return self.d0 + self.d1 * n
 

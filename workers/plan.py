@@ -27,6 +27,7 @@ class SeqPlan:
     prefill_last: bool = False  # the chunk ends the prompt: sample the first output token
     next_token: int | None = None  # with prefill_last, a recompute: this token follows (no sampling)
     num_spec: int = 0  # decode step: draft tokens this sequence may propose
+    oracle: list[int] | None = None  # oracle mode: the reference tokens that follow (benchmark only)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class StepPlan:
     decode: bool  # False: every SeqPlan carries a prefill chunk
     free: list[int] = field(default_factory=list)  # sequence ids to forget before the step
     time_model_version: int = 0
+    mode: str = "static"  # speculation mode: static | adaptive | oracle (controller.policy.MODES)
 
 
 @dataclass

@@ -99,14 +99,11 @@ class ModelRunner:
         kv = np.array([s.num_computed for s in seqs], dtype=np.int64)
         max_keep = np.array([p.num_spec for p in plan.seqs], dtype=np.int64)
         k = int(max_keep.max()) if self.proposer is not None else 0
-        version, tm = plan.time_model_version, self.policy.model(plan.time_model_version)
+        ctx = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, _oracle(plan, k))
         t0 = time.perf_counter()
-        self.policy.begin_step()
-        draft = self._draft(seqs, self.policy.draft_budget(kv, k, version), kv, max_keep, version)
+        draft = self._draft(seqs, self.policy.draft_budget(k))
         stats.draft_ms = (time.perf_counter() - t0) * 1e3
-        predicted_draft_ms = draft.steps * tm.draft_step_ms(len(seqs))  # a prediction: identical on every rank
-        keep = torch.from_numpy(self.policy.keep(draft.top_prob, draft.token_prob, kv, max_keep, version,
-                                                 predicted_draft_ms))
+        keep = torch.from_numpy(self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy()))
         t1 = time.perf_counter()
         lens = (keep + 1).tolist()
         batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
@@ -117,16 +114,14 @@ class ModelRunner:
         logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps = len(ids), draft.steps
-        stats.predicted_validate_ms = tm.validate_ms(keep.numpy() + 1, kv)
+        stats.predicted_validate_ms = ctx.model.validate_ms(keep.numpy() + 1, kv)
         stats.kv_tokens = int(((keep.numpy() + 1) * kv).sum())
         return self._accept(plan, seqs, draft, keep, batch, hidden, logits, stats)
 
-    def _draft(self, seqs: list[SeqState], budget: int, kv: np.ndarray, max_keep: np.ndarray,
-               version: int) -> DraftBlock:
+    def _draft(self, seqs: list[SeqState], budget: int) -> DraftBlock:
         n = len(seqs)
         tokens, top, chosen = [], [], []
         if budget > 0:
-            tm = self.policy.model(version)
             logits = self.proposer.begin(seqs, self.block_size)
             for j in range(budget):
                 q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
@@ -134,10 +129,8 @@ class ModelRunner:
                 tokens.append(d)
                 top.append(p_top)
                 chosen.append(p_top)
-                if j == budget - 1:
-                    break
-                top_so_far = torch.stack(top, 1).double().numpy()
-                if not self.policy.keep_drafting(top_so_far, kv, max_keep, version, (j + 2) * tm.draft_step_ms(n)):
+                if j == budget - 1 or not self.policy.keep_drafting(torch.stack(top, 1).double().numpy(),
+                                                                    torch.stack(tokens, 1).numpy()):
                     break
                 logits = self.proposer.next(d.to(self.device))
         if not tokens:
@@ -171,6 +164,17 @@ class ModelRunner:
             outputs.append(SeqOutput(p.seq_id, emitted, drafted=min(p.num_spec, draft.steps),
                                      verified=int(keep[i]), accepted=a))
         return outputs
+
+
+def _oracle(plan: StepPlan, k: int) -> np.ndarray | None:
+    """(n, k) reference continuation of each sequence for oracle mode, -1 past its end."""
+    if plan.mode != "oracle":
+        return None
+    ref = np.full((len(plan.seqs), k), -1, dtype=np.int64)
+    for i, p in enumerate(plan.seqs):
+        got = (p.oracle or [])[:k]
+        ref[i, :len(got)] = got
+    return ref
 
 
 def _digest(step: int, outputs: list[SeqOutput]) -> int:

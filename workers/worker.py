@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from controller.config import SpeculativeConfig
 from controller.policy import SpecPolicy
+from controller.time_model import TimeModel
 from models.config import ModelArch, ModelConfig
 from models.loader import load_causal_lm
 from models.mtp import load_mtp
@@ -69,6 +70,22 @@ class TPWorker:
 
     def step(self, plan: StepPlan) -> StepResult:
         return self.runner.step(plan)
+
+    def profile(self, kind: str, n: int, q: int, ctx: int, runs: int) -> float:
+        """Time one sweep point (all ranks run it together; rank 0's clock is reported)."""
+        from workers import profiler
+
+        if kind == "validate":
+            return profiler.validate_ms(self.runner, n, q, ctx, runs)
+        return profiler.draft_step_ms(self.runner, n, ctx, runs)
+
+    def install_time_model(self, model: TimeModel) -> int:
+        """A refit from the profile registry; the acknowledgement is the version."""
+        return self.runner.policy.install(model)
+
+    def current_time_model(self) -> TimeModel:
+        policy = self.runner.policy
+        return policy.models[max(policy.models)]
 
     def inject_divergence(self) -> None:
         """Testing: from now on this rank reports a digest no other rank has."""

@@ -1,0 +1,80 @@
+"""The profile registry: validate and draft timings in, versioned time models out.
+
+Pure bookkeeping (the Ray actor around it lives in cluster/profile_actor.py). It keeps the
+startup sweep's points plus a window of recent online steps, and refits every
+`refit_every` new samples, or sooner when the recent prediction error grows well past
+the error of the last fit.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.time_model import FitReport, TimeModel, fit
+
+WINDOW = 4096  # online samples kept for refits
+RECENT = 32  # samples in the "recent error" window
+ERROR_GROWTH = 2.0  # refit early when recent MAPE exceeds this multiple of the fit's MAPE
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured decode step (rank 0's clock), or one sweep point: a validate point has
+    draft_steps == 0, a draft point has q_tokens == 0."""
+
+    num_seqs: int
+    q_tokens: int  # sum of q_i
+    kv_tokens: int  # sum of q_i * kv_i
+    validate_ms: float
+    draft_steps: int
+    draft_ms: float
+
+    def features(self) -> list[float]:
+        return [1.0, float(self.q_tokens), float(self.kv_tokens)]
+
+
+class ProfileRegistry:
+    def __init__(self, refit_every: int = 64, initial: TimeModel | None = None):
+        self.refit_every = refit_every
+        self.model = initial or TimeModel()
+        self.last_report: FitReport | None = None
+        self.sweep: list[StepSample] = []
+        self.online: deque[StepSample] = deque(maxlen=WINDOW)
+        self.recent_err: deque[float] = deque(maxlen=RECENT)
+        self.since_fit = 0
+
+    def seed(self, samples: list[StepSample]) -> FitReport:
+        """Fit the first model from the startup sweep."""
+        self.sweep = list(samples)
+        return self._refit()
+
+    def add(self, samples: list[StepSample]) -> TimeModel | None:
+        """Record online samples; returns a new model when a refit happened."""
+        for s in samples:
+            if s.q_tokens == 0:
+                continue
+            predicted = self.model.validate_ms_from(s.q_tokens, s.kv_tokens)
+            self.recent_err.append(abs(predicted - s.validate_ms) / max(s.validate_ms, 1e-6))
+            self.online.append(s)
+            self.since_fit += 1
+        fit_mape = self.last_report.mape if self.last_report else float("inf")
+        drifted = len(self.recent_err) == RECENT and float(np.mean(self.recent_err)) > ERROR_GROWTH * max(fit_mape, 0.05)
+        if self.since_fit >= self.refit_every or (drifted and self.since_fit >= RECENT):
+            self._refit()
+            return self.model
+        return None
+
+    def _refit(self) -> FitReport:
+        data = self.sweep + list(self.online)
+        validated = [s for s in data if s.q_tokens > 0]  # sweep draft points carry no validation
+        rows = np.array([s.features() for s in validated])
+        val = np.array([s.validate_ms for s in validated])
+        drafted = [s for s in data if s.draft_steps > 0]
+        draft_n = np.array([s.num_seqs for s in drafted], dtype=np.float64)
+        draft_ms = np.array([s.draft_ms / s.draft_steps for s in drafted])
+        report = fit(rows, val, draft_n, draft_ms, self.model.version + 1)
+        self.model, self.last_report, self.since_fit = report.model, report, 0
+        self.recent_err.clear()
+        return report
