@@ -31,24 +31,23 @@ def run(args: argparse.Namespace) -> int:
     with open_engine(args) as engine:
         tok = engine.tokenizer
         prompts = [tok(p)["input_ids"][: args.max_prompt_tokens] for p in heldout_prompts(seed=0)[: args.num_prompts]]
-        engine.generate(prompts, RequestParams(max_tokens=args.output_len, ignore_eos=True))
+        results = engine.generate(prompts, RequestParams(max_tokens=args.output_len, ignore_eos=True))
         st = engine.stats
         rates = [a / v if v else 0.0 for a, v in zip(st.accepted_per_position, st.verified_per_position)]
         out = {"method": engine.cfg.speculative.method, "k": engine.cfg.speculative.num_speculative_tokens,
                "prompts": len(prompts), "output_len": args.output_len,
                "acceptance_per_position": [round(r, 4) for r in rates],
                "acceptance_rate": round(st.accepted / max(st.verified, 1), 4),
-               "acceptance_length": round(acceptance_length(engine.seqs.values()), 3)}
+               "acceptance_length": round(acceptance_length([r[0] for r in results]), 3)}
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0
 
 
-def acceptance_length(seqs) -> float:
+def acceptance_length(outputs) -> float:
     """Mean tokens emitted per sequence per decode step (the prefill's token excluded)."""
-    seqs = list(seqs)
-    tokens = sum(len(s.output_ids) - 1 for s in seqs)
-    steps = sum(s.steps - 1 for s in seqs)
+    tokens = sum(len(o.token_ids) - 1 for o in outputs)
+    steps = sum(o.steps - 1 for o in outputs)
     return tokens / max(steps, 1)
 
 

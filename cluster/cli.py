@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster import generate, profile
+from cluster import acceptance, bench, generate, profile
 
-COMMANDS = {"generate": generate, "profile": profile}
+COMMANDS = {"generate": generate, "bench": bench, "profile": profile, "acceptance": acceptance}
 
 
 def main(argv: list[str] | None = None) -> int:

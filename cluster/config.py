@@ -49,6 +49,20 @@ class ServeConfig:
 
 
 @dataclass
+class BenchConfig:
+    seed: int = 0  # shuffles the held-out ShareGPT prompts
+    num_prompts: int = 64
+    min_prompt_len: int = 4  # prompt tokens
+    max_prompt_len: int = 256
+    output_len: int = 64  # tokens per output, EOS ignored, so every arm emits the same tokens
+    batch_sizes: list = field(default_factory=lambda: [1, 8, 32])  # concurrent sequences
+    ks: list = field(default_factory=lambda: [3, 5, 7])  # num_speculative_tokens per arm
+    policies: list = field(default_factory=lambda: ["nospec", "static", "adaptive", "oracle"])
+    hf_peer: bool = True  # Hugging Face target-only and assisted generation at batch 1
+    hf_prompts: int = 16  # prompts for the peer arms (they run one at a time)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -57,7 +71,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
-    bench: dict = field(default_factory=dict)  # read by cluster.bench
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -177,8 +177,10 @@ class Engine:
                                           f"and emitted")
 
     def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        now = time.monotonic()
         if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
+            seq.first_token_time = now
+        seq.last_token_time = now
         new = []
         for t in tokens:
             seq.output_ids.append(t)
@@ -196,10 +198,12 @@ class Engine:
                 seq.text, seq.finish_reason = seq.text[:cut], "stop"
         if seq.finish_reason:
             self.scheduler.finish(seq)
+            del self.seqs[seq.seq_id]
         self.stats.emitted += len(new)
+        tpot = 1e3 * (now - seq.first_token_time) / max(len(seq.output_ids) - 1, 1)
         return RequestOutput(seq.request_id, seq.sample_index, seq.prompt_ids, list(seq.output_ids), seq.text,
                              seq.status is Status.FINISHED, seq.finish_reason, new, seq.steps, seq.drafted,
-                             seq.verified, seq.accepted)
+                             seq.verified, seq.accepted, seq.first_token_time - seq.arrival, tpot)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

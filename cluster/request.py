@@ -61,9 +61,12 @@ class Sequence:
     drafted: int = 0
     verified: int = 0
     accepted: int = 0
+    ttft_s: float = 0.0  # arrival to first token
+    tpot_ms: float = 0.0  # mean time per output token after the first
     oracle_ids: list[int] | None = None  # benchmark oracle: the target-only reference output
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -90,3 +93,5 @@ class RequestOutput:
     drafted: int = 0
     verified: int = 0
     accepted: int = 0
+    ttft_s: float = 0.0  # arrival to first token
+    tpot_ms: float = 0.0  # mean time per output token after the first

@@ -60,11 +60,22 @@ class RayWorkerGroup:
         ]
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         ray.get([w.init.remote(addr, port) for w in self.workers])
+        self.use_compiled = parallel.compiled_dag
+        self.dag = None  # compiled on the first step, after the startup profile calls
 
     def step(self, plan: StepPlan) -> list[StepResult]:
+        """One plan to every rank: through a Ray Compiled Graph (shared-memory channels,
+        no per-call task submission), or one `.remote` per rank."""
         import ray
 
-        return ray.get([w.step.remote(plan) for w in self.workers])
+        if not self.use_compiled:
+            return ray.get([w.step.remote(plan) for w in self.workers])
+        if self.dag is None:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as inp:
+                self.dag = MultiOutputNode([w.step.bind(inp) for w in self.workers]).experimental_compile()
+        return ray.get(self.dag.execute(plan))
 
     def call(self, method: str, *args) -> list:
         """Run a TPWorker method on every rank at once; results by rank."""
@@ -79,6 +90,9 @@ class RayWorkerGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.dag is not None:
+            self.dag.teardown()
+            self.dag = None
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)

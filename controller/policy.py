@@ -11,6 +11,7 @@ Modes (chosen per step by the plan):
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,20 +40,28 @@ class SpecPolicy:
         self.cfg = cfg
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
+        self._lock = threading.Lock()
         self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
         self.ctx: StepContext | None = None
 
     # ------------------------------------------------------------------ time models
     def install(self, model: TimeModel) -> int:
-        self.models[model.version] = model
-        for old in sorted(self.models)[:-4]:  # keep a few: plans may still name the previous one
-            del self.models[old]
+        # Installs may arrive on another thread than steps (Ray Compiled Graph): lock.
+        with self._lock:
+            self.models[model.version] = model
+            for old in sorted(self.models)[:-4]:  # keep a few: plans may still name the previous one
+                del self.models[old]
         return model.version
 
     def model(self, version: int) -> TimeModel:
-        if version not in self.models:
-            raise KeyError(f"time model version {version} was never installed on this rank")
-        return self.models[version]
+        with self._lock:
+            if version not in self.models:
+                raise KeyError(f"time model version {version} was never installed on this rank")
+            return self.models[version]
+
+    def latest(self) -> TimeModel:
+        with self._lock:
+            return self.models[max(self.models)]
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, mode: str, kv: np.ndarray, max_keep: np.ndarray, version: int,

@@ -39,7 +39,7 @@ def test_malformed_yaml(tmp_path):
 def test_set_parses_yaml_values():
     cfg = load_config("yamls/tiny.yaml", ["bench.ks=[3,5]", "speculative.adaptive.enabled=true",
                                           "cluster.address=null"])
-    assert cfg.bench["ks"] == [3, 5] and cfg.speculative.adaptive.enabled and cfg.cluster.address is None
+    assert cfg.bench.ks == [3, 5] and cfg.speculative.adaptive.enabled and cfg.cluster.address is None
 
 
 def test_tp_size_that_does_not_divide_heads():

@@ -15,6 +15,7 @@ class ParallelConfig:
     placement_strategy: str = "STRICT_PACK"  # Ray placement group strategy for the TP ranks
     num_cpus_per_worker: float = 1.0  # Ray CPUs reserved per rank (0 lets many ranks share few cores)
     threads_per_worker: int = 0  # torch threads per rank; 0 = cores / tp_size (at least 1)
+    compiled_dag: bool = True  # dispatch steps through a Ray Compiled Graph (else one .remote per rank)
 
     @property
     def backend(self) -> str:

@@ -84,8 +84,7 @@ class TPWorker:
         return self.runner.policy.install(model)
 
     def current_time_model(self) -> TimeModel:
-        policy = self.runner.policy
-        return policy.models[max(policy.models)]
+        return self.runner.policy.latest()
 
     def inject_divergence(self) -> None:
         """Testing: from now on this rank reports a digest no other rank has."""
