@@ -57,19 +57,20 @@ class Arm:
             "name": self.name, "policy": self.policy, "k": self.k, "batch": self.batch,
             "output_tokens": self.output_tokens, "wall_s": round(self.wall_s, 4),
             "tok_per_s": round(self.output_tokens / max(self.wall_s, 1e-9), 2), "steps": self.steps,
-            "acceptance_length": round((self.output_tokens - self.outputs) / max(self.seq_steps, 1), 4),
+            "acceptance_length": round((self.output_tokens - self.outputs) / self.seq_steps, 4) if self.seq_steps else 0.0,
             "acceptance_rate": round(self.accepted / max(self.verified, 1), 4),
             "verified_per_seq_step": round(self.verified / max(self.seq_steps, 1), 4),
             "draft_ms_per_step": round(self.draft_ms / per_step, 4),
             "validate_ms_per_step": round(self.validate_ms / per_step, 4),
             "dispatch_ms_per_step": round(self.dispatch_ms / per_step, 4),
-            "tpot_ms": round(self.tpot_sum_ms / max(self.outputs, 1), 4),
+            "tpot_ms": round(self.tpot_sum_ms / max(self.outputs, 1), 4) if self.tpot_sum_ms else
+            round(1e3 * self.wall_s / max(self.output_tokens, 1), 4),
             "outputs_identical": self.identical, "note": self.note,
         }
 
 
 def arm_name(policy: str, k: int, batch: int, several: bool) -> str:
-    base = policy if policy in ("nospec", "hf-target") else f"{policy}-{k}"
+    base = policy if policy in ("nospec", "hf-target", "hf-assisted") else f"{policy}-{k}"
     return f"{base}@b{batch}" if several else base
 
 

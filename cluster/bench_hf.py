@@ -13,6 +13,7 @@ TUNE_PROMPTS = 4
 SCHEDULES = ("constant", "heuristic")
 NUM_ASSISTANT_TOKENS = (3, 5, 7)
 THRESHOLDS = (0.0, 0.2, 0.4)
+DEFAULTS = ("constant", 20, 0.4)  # transformers' defaults for an assistant model
 
 
 def _generate(model, prompt: list[int], output_len: int, **kwargs) -> tuple[list[int], float]:
@@ -41,8 +42,9 @@ def hf_arms(cfg, prompts: list[list[int]], refs: list[list[int]], several: bool)
     target = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(cfg.model.draft, dtype=torch.float32).eval()
     with torch.inference_mode():
-        best, best_t = None, float("inf")
-        for schedule, tokens, thr in itertools.product(SCHEDULES, NUM_ASSISTANT_TOKENS, THRESHOLDS):
+        best, best_t = DEFAULTS, float("inf")
+        grid = itertools.product(SCHEDULES, NUM_ASSISTANT_TOKENS, THRESHOLDS) if cfg.bench.hf_tune else []
+        for schedule, tokens, thr in grid:
             kw = _assisted_kwargs(draft, schedule, tokens, thr)
             _generate(target, prompts[0], 8, **kw)  # warm-up
             t = sum(_generate(target, p, output_len, **kw)[1] for p in prompts[:TUNE_PROMPTS])
@@ -54,8 +56,9 @@ def hf_arms(cfg, prompts: list[list[int]], refs: list[list[int]], several: bool)
             arm = Arm(arm_name(policy, k, 1, several), policy, k, 1)
             kw = _assisted_kwargs(draft, *best) if policy == "hf-assisted" else {}
             if policy == "hf-assisted":
-                arm.note = (f"transformers assisted generation, tuned: schedule={best[0]}, "
-                            f"num_assistant_tokens={best[1]}, assistant_confidence_threshold={best[2]}")
+                arm.note = (f"transformers assisted generation, {'tuned' if cfg.bench.hf_tune else 'defaults'}: "
+                            f"schedule={best[0]}, num_assistant_tokens={best[1]}, "
+                            f"assistant_confidence_threshold={best[2]}")
             else:
                 arm.note = "transformers generate, target only"
             for p, ref in tqdm(list(zip(prompts, refs)), desc=policy, mininterval=2):

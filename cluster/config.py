@@ -60,6 +60,7 @@ class BenchConfig:
     policies: list = field(default_factory=lambda: ["nospec", "static", "adaptive", "oracle"])
     hf_peer: bool = True  # Hugging Face target-only and assisted generation at batch 1
     hf_prompts: int = 16  # prompts for the peer arms (they run one at a time)
+    hf_tune: bool = True  # grid-search the assistant schedule and threshold (else transformers' defaults)
 
 
 @dataclass

@@ -38,12 +38,16 @@ class EngineStats:
     validate_ms: float = 0.0
     step_ms: float = 0.0
     dispatch_ms: float = 0.0
+    draft_steps_run: int = 0  # draft forwards, summed over decode steps
+    zero_budget_steps: int = 0  # decode steps that drafted nothing
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
 
     def add(self, s: StepStats, dispatch_ms: float, decode: bool) -> None:
         self.steps += 1
         self.decode_steps += decode
+        self.draft_steps_run += s.draft_steps
+        self.zero_budget_steps += decode and s.draft_steps == 0
         self.draft_ms += s.draft_ms
         self.validate_ms += s.validate_ms
         self.step_ms += s.step_ms
@@ -63,7 +67,8 @@ class Engine:
         self.eos_ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.max_model_len = min(cfg.model.max_model_len, self.arch.max_position_embeddings)
+        # drafts run up to k positions past the last token: keep them inside the position table
+        self.max_model_len = min(cfg.model.max_model_len, self.arch.max_position_embeddings - cfg.speculative.k - 1)
         self.workers = workers if workers is not None else make_worker_group(cfg)
         self.scheduler = Scheduler(cfg.cache.num_blocks, cfg.cache.block_size, cfg.engine.max_num_seqs,
                                    cfg.engine.max_prefill_tokens, cfg.speculative.k, self.max_model_len)
@@ -72,6 +77,7 @@ class Engine:
         self.mode = "adaptive" if self.profile else "static"
         self.seqs: dict[int, Sequence] = {}
         self.stats = EngineStats()
+        self.allow_lossy_sampling = False  # tests only: the token_prob negative control
         self._ids = itertools.count()
         self._requests = itertools.count()
 
@@ -93,6 +99,12 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None,
                     oracle_ids: list[int] | None = None) -> str:
         params.validate()
+        adaptive = self.cfg.speculative.adaptive
+        if (params.temperature > 0 and adaptive.enabled and adaptive.estimator == "token_prob"
+                and not self.allow_lossy_sampling):
+            raise RequestError("temperature > 0 with speculative.adaptive.estimator=token_prob is refused: that "
+                               "estimator makes verifying a draft depend on the sampled token itself, which skews "
+                               "the output distribution; use top_prob_calibrated or top_prob")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("prompt is empty")

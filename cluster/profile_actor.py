@@ -39,7 +39,12 @@ class ProfileActor:
 
     def force_refit(self) -> int:
         """Refit now and push (tests, operators); returns the acknowledged version."""
-        self._push(self.registry._refit().model)
+        self._push(self.registry.refit().model)
+        return self.acked
+
+    def install(self, model: TimeModel) -> int:
+        """Push a given model (operators, tests) under the next version number."""
+        self._push(self.registry.adopt(model))
         return self.acked
 
     def _push(self, model: TimeModel) -> None:
@@ -74,7 +79,11 @@ class LocalProfileLink:
         return self.version
 
     def force_refit(self) -> int:
-        self.version = max(self.workers.call("install_time_model", self.registry._refit().model))
+        self.version = max(self.workers.call("install_time_model", self.registry.refit().model))
+        return self.version
+
+    def install(self, model: TimeModel) -> int:
+        self.version = max(self.workers.call("install_time_model", self.registry.adopt(model)))
         return self.version
 
     def report(self) -> dict:
@@ -121,6 +130,10 @@ class RayProfileLink:
         import ray
 
         self.version = ray.get(self.actor.force_refit.remote())
+        return self.version
+
+    def install(self, model: TimeModel) -> int:
+        self.version = ray.get(self.actor.install.remote(model))
         return self.version
 
     def report(self) -> dict:

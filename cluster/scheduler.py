@@ -101,7 +101,8 @@ class Scheduler:
             if seq not in self.running:  # preempted below while making room
                 continue
             num_spec = self._num_spec(seq)
-            while not self.blocks.grow(seq, seq.total_len + num_spec + 1):
+            # Drafting runs the batch's largest k for every sequence, so cover k for all.
+            while not self.blocks.grow(seq, seq.total_len + self.num_spec + 1):
                 victim = self.running[-1]  # the youngest
                 self._preempt(victim)
                 if victim is seq:
@@ -119,8 +120,6 @@ class Scheduler:
         return StepPlan(self.step_index, plans, decode=True, free=self._take_free()), seqs
 
     def _num_spec(self, seq: Sequence) -> int:
-        if not seq.sampling.greedy:
-            return 0  # sampled sequences decode one token a step (no rejection sampler yet)
         left = seq.params.max_tokens - len(seq.output_ids)
         room = self.max_model_len - seq.total_len
         return max(0, min(self.num_spec, left - 1, room - 1))

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.time_model import TimeModel
+from controller.time_model import TIME_UNIT_NS, TimeModel
 
 INT64_SAFE = 1 << 62
+SMALL = 64  # up to this many candidates, plain Python beats numpy's per-call overhead
 
 CONF_BITS = 12
 CONF_ONE = 1 << CONF_BITS  # fixed-point 1.0 for confidences and path probabilities
@@ -55,6 +56,16 @@ def decide(confidence: np.ndarray, kv_lens: np.ndarray, time_model: TimeModel, m
     keep = np.zeros(n, dtype=np.int64)
     if n == 0 or k == 0:
         return keep
+    if n * k <= SMALL:
+        return np.array(_decide_small(np.asarray(confidence).tolist(), np.asarray(kv_lens).tolist(), time_model,
+                                      min_gain, draft_ms, None if max_keep is None else np.asarray(max_keep).tolist()),
+                        dtype=np.int64)
+    return _decide_numpy(confidence, kv_lens, time_model, min_gain, draft_ms, max_keep)
+
+
+def _decide_numpy(confidence: np.ndarray, kv_lens: np.ndarray, time_model: TimeModel, min_gain: float,
+                  draft_ms: float, max_keep: np.ndarray | None) -> np.ndarray:
+    n, k = confidence.shape
     a = path_probs(quantize(confidence))  # (n, k)
     if max_keep is not None:
         a = np.where(np.arange(k)[None, :] < np.asarray(max_keep)[:, None], a, 0)
@@ -82,3 +93,32 @@ def decide(confidence: np.ndarray, kv_lens: np.ndarray, time_model: TimeModel, m
     improves = (lhs > rhs) & live
     count = int(np.argmin(improves)) if not improves.all() else len(improves)
     return np.bincount(seq[:count], minlength=n).astype(np.int64)
+
+
+def _decide_small(conf: list[list[float]], kv: list[int], tm: TimeModel, min_gain: float, draft_ms: float,
+                  max_keep: list[int] | None) -> list[int]:
+    """The same rule and the same integer arithmetic as `decide`, in plain Python (exactly
+    equal results; tests check it). Small batches decide once per draft step, so this is
+    on the hot path at batch 1."""
+    n = len(conf)
+    cands = []  # (-a, j, i): the ranking order
+    for i, row in enumerate(conf):
+        acc = CONF_ONE
+        limit = len(row) if max_keep is None else min(len(row), max_keep[i])
+        for j, c in enumerate(row[:limit]):
+            acc = (acc * min(max(int(round(c * CONF_ONE)), 0), CONF_ONE)) >> CONF_BITS
+            if acc <= 0:
+                break
+            cands.append((-acc, j, i))
+    cands.sort()
+    unit = 1_000_000 // TIME_UNIT_NS
+    token_t = [int(round((tm.b1 + tm.b2 * float(x)) * unit)) for x in kv]
+    e, t = n * CONF_ONE, max(int(round((draft_ms + tm.b0) * unit)) + sum(token_t), 1)
+    scale = GAIN_ONE + int(round(min_gain * GAIN_ONE))
+    keep = [0] * n
+    for neg_a, _, i in cands:
+        e2, t2 = e - neg_a, t + token_t[i]
+        if e2 * t * GAIN_ONE <= e * t2 * scale:
+            break  # the first candidate that does not raise Theta ends the walk
+        e, t, keep[i] = e2, t2, keep[i] + 1
+    return keep

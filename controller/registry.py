@@ -7,6 +7,7 @@ the error of the last fit.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ class ProfileRegistry:
     def seed(self, samples: list[StepSample]) -> FitReport:
         """Fit the first model from the startup sweep."""
         self.sweep = list(samples)
-        return self._refit()
+        return self.refit()
 
     def add(self, samples: list[StepSample]) -> TimeModel | None:
         """Record online samples; returns a new model when a refit happened."""
@@ -62,13 +63,23 @@ class ProfileRegistry:
         fit_mape = self.last_report.mape if self.last_report else float("inf")
         drifted = len(self.recent_err) == RECENT and float(np.mean(self.recent_err)) > ERROR_GROWTH * max(fit_mape, 0.05)
         if self.since_fit >= self.refit_every or (drifted and self.since_fit >= RECENT):
-            self._refit()
+            self.refit()
             return self.model
         return None
 
-    def _refit(self) -> FitReport:
+    def adopt(self, model: TimeModel) -> TimeModel:
+        """Take a model from outside (an operator, a test) as the next version."""
+        self.model = dataclasses.replace(model, version=self.model.version + 1)
+        self.since_fit = 0
+        return self.model
+
+    def refit(self) -> FitReport:
         data = self.sweep + list(self.online)
         validated = [s for s in data if s.q_tokens > 0]  # sweep draft points carry no validation
+        if len(validated) < 3:  # nothing to fit yet: same coefficients, next version
+            self.model = dataclasses.replace(self.model, version=self.model.version + 1)
+            self.since_fit = 0
+            return FitReport(self.model, float("nan"), float("nan"), len(validated))
         rows = np.array([s.features() for s in validated])
         val = np.array([s.validate_ms for s in validated])
         drafted = [s for s in data if s.draft_steps > 0]

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.decision import CONF_ONE, decide, path_probs, quantize
+from controller.decision import CONF_ONE, _decide_numpy, _decide_small, decide, path_probs, quantize
 from controller.time_model import TimeModel
 
 CHEAP = TimeModel(b0=10.0, b1=0.01, b2=0.0)  # validation nearly free per token: keep confident drafts
@@ -95,3 +95,33 @@ def test_properties(conf, b0, b1, b2, draft_ms, seed):
             best = max(best, _theta(a, prefix, tm, kv, draft_ms))
         best = max(best, _theta(a, np.zeros(n, int), tm, kv, draft_ms))
         assert _theta(a, keep, tm, kv, draft_ms) >= best * (1 - 1e-6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(conf=conf_arrays, b0=st.floats(0.1, 20), b1=st.floats(0.001, 5), b2=st.floats(0, 0.01),
+       draft_ms=st.floats(0, 10), min_gain=st.sampled_from([0.0, 0.01, 0.1]), seed=st.integers(0, 1000))
+def test_small_path_equals_vectorised_path(conf, b0, b1, b2, draft_ms, min_gain, seed):
+    conf = np.array(conf)
+    rng = np.random.default_rng(seed)
+    kv = rng.integers(1, 500, conf.shape[0])
+    cap = rng.integers(0, conf.shape[1] + 1, conf.shape[0])
+    tm = TimeModel(b0=b0, b1=b1, b2=b2)
+    for max_keep in (None, cap):
+        small = _decide_small(conf.tolist(), kv.tolist(), tm, min_gain, draft_ms,
+                              None if max_keep is None else max_keep.tolist())
+        assert small == _decide_numpy(conf, kv, tm, min_gain, draft_ms, max_keep).tolist()
+
+
+def test_decision_cost_microbenchmark():
+    """Not a timed assertion: reports the decision's cost (issue floor: < 1 ms at n=256)."""
+    import time
+
+    tm = TimeModel(b0=2.0, b1=0.05, b2=1e-5)
+    rng = np.random.default_rng(0)
+    for n in (32, 256):
+        conf, kv = rng.random((n, 7)), rng.integers(10, 500, n)
+        decide(conf, kv, tm)
+        t0 = time.perf_counter()
+        for _ in range(50):
+            decide(conf, kv, tm)
+        print(f"decide n={n} k=7: {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms")

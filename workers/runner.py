@@ -19,9 +19,9 @@ from controller.policy import SpecPolicy
 
 from models.attention import AttnBatch
 from models.decoder import CausalLM
-from workers.plan import SeqOutput, SeqPlan, StepPlan, StepResult, StepStats
+from workers.plan import SamplingParams, SeqOutput, StepPlan, StepResult, StepStats
 from workers.proposer import MTPProposer, Proposer, SeqState
-from workers.sampler import greedy_accept, sample_token
+from workers.sampler import draft_sample, greedy_accept, probs_from_logits, rejection_accept, sample_token
 
 
 @dataclass
@@ -30,6 +30,7 @@ class DraftBlock:
     top_prob: np.ndarray  # (n, m) the draft's top probability at each position
     token_prob: np.ndarray  # (n, m) the draft's probability of the drafted token
     steps: int  # draft forwards run: m <= k (the budget, or fewer after an early stop)
+    q: dict[int, torch.Tensor]  # sampled sequence index -> (m, V) distributions its drafts were drawn from
 
 
 class ModelRunner:
@@ -101,7 +102,7 @@ class ModelRunner:
         k = int(max_keep.max()) if self.proposer is not None else 0
         ctx = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, _oracle(plan, k))
         t0 = time.perf_counter()
-        draft = self._draft(seqs, self.policy.draft_budget(k))
+        draft = self._draft(seqs, [p.sampling for p in plan.seqs], self.policy.draft_budget(k))
         stats.draft_ms = (time.perf_counter() - t0) * 1e3
         keep = torch.from_numpy(self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy()))
         t1 = time.perf_counter()
@@ -118,50 +119,68 @@ class ModelRunner:
         stats.kv_tokens = int(((keep.numpy() + 1) * kv).sum())
         return self._accept(plan, seqs, draft, keep, batch, hidden, logits, stats)
 
-    def _draft(self, seqs: list[SeqState], budget: int) -> DraftBlock:
+    def _draft(self, seqs: list[SeqState], params: list[SamplingParams], budget: int) -> DraftBlock:
+        """Greedy sequences draft the argmax; sampled ones draw from their sampling
+        distribution q, kept for the rejection test. The confidence inputs (top
+        probability) never depend on the drawn token."""
         n = len(seqs)
-        tokens, top, chosen = [], [], []
+        sampled = [i for i, sp in enumerate(params) if not sp.greedy]
+        tokens, top, chosen, qs = [], [], [], {i: [] for i in sampled}
         if budget > 0:
             logits = self.proposer.begin(seqs, self.block_size)
             for j in range(budget):
                 q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
-                p_top, d = q.max(dim=-1)  # greedy drafts; sampled drafting comes with rejection sampling
+                p_top, d = q.max(dim=-1)
+                p_tok = p_top.clone()
+                for i in sampled:
+                    qi = probs_from_logits(logits[i].float().cpu(), params[i])
+                    qs[i].append(qi)
+                    d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
+                    p_top[i], p_tok[i] = qi.max(), qi[d[i]]
                 tokens.append(d)
                 top.append(p_top)
-                chosen.append(p_top)
+                chosen.append(p_tok)
                 if j == budget - 1 or not self.policy.keep_drafting(torch.stack(top, 1).double().numpy(),
                                                                     torch.stack(tokens, 1).numpy()):
                     break
                 logits = self.proposer.next(d.to(self.device))
         if not tokens:
             empty = np.zeros((n, 0))
-            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0)
+            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {})
         return DraftBlock(torch.stack(tokens, 1), torch.stack(top, 1).double().numpy(),
-                          torch.stack(chosen, 1).double().numpy(), len(tokens))
+                          torch.stack(chosen, 1).double().numpy(), len(tokens),
+                          {i: torch.stack(rows) for i, rows in qs.items()})
 
     def _accept(self, plan, seqs, draft, keep, batch, hidden, logits, stats) -> list[SeqOutput]:
         n, kmax = len(seqs), int(keep.max())
         target_argmax = torch.zeros(n, kmax + 1, dtype=torch.long)
         target_argmax[batch.q_seq, batch.q_col] = logits.argmax(dim=-1)
         accepted = greedy_accept(draft.tokens[:, :kmax], target_argmax, keep)
+        emitted = {}
+        for i, (s, p) in enumerate(zip(seqs, plan.seqs)):
+            if p.sampling.greedy:
+                a = int(accepted[i])
+                emitted[i] = draft.tokens[i, :a].tolist() + [int(target_argmax[i, a])]
+                continue
+            L = int(keep[i])
+            rows = logits[int(batch.last_index[i]) - L: int(batch.last_index[i]) + 1]  # (L+1, V)
+            p_target = probs_from_logits(rows, p.sampling)
+            q = draft.q[i][:L] if L else torch.zeros(0, rows.shape[-1])
+            accepted[i], emitted[i] = rejection_accept(draft.tokens[i, :L].tolist(), q, p_target, p.sampling,
+                                                       start=len(s.tokens))
         self.policy.observe(draft.top_prob[:, :kmax], keep.numpy(), accepted.numpy())
         stats.accepted_per_position = [int((accepted > j).sum()) for j in range(draft.steps)]
         stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
         outputs = []
         for i, (s, p, h) in enumerate(zip(seqs, plan.seqs, hidden.split((keep + 1).tolist()))):
             a = int(accepted[i])
-            if p.sampling.greedy:
-                bonus = int(target_argmax[i, a])
-            else:  # no drafts were kept for sampled sequences (see Engine): a plain sampled step
-                bonus = sample_token(logits[batch.last_index[i]], p.sampling, position=len(s.tokens))
-            emitted = draft.tokens[i, :a].tolist() + [bonus]
-            s.tokens.extend(emitted)
+            s.tokens.extend(emitted[i])
             s.num_computed += a + 1
             if self.keep_hidden:
                 s.add_hidden(h[: a + 1])
             if self.proposer is not None:
                 self.proposer.commit(s, a, draft.steps)
-            outputs.append(SeqOutput(p.seq_id, emitted, drafted=min(p.num_spec, draft.steps),
+            outputs.append(SeqOutput(p.seq_id, emitted[i], drafted=min(p.num_spec, draft.steps),
                                      verified=int(keep[i]), accepted=a))
         return outputs
 

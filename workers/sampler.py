@@ -14,11 +14,13 @@ import torch
 
 from workers.plan import SamplingParams
 
+# Random streams: one per kind of draw, so draws at the same position never share numbers.
+STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
 _MASK64 = (1 << 64) - 1
 
 
-def generator_for(seed: int, position: int, stream: int = 0) -> torch.Generator:
+def generator_for(seed: int, position: int, stream: int) -> torch.Generator:
     """Deterministic generator for one draw of one sequence; `stream` separates draws at
     the same position (draft sample, accept test, residual)."""
     mixed = ((seed * _SEED_MIX) ^ (position * 0xBF58476D1CE4E5B9) ^ (stream * 0x94D049BB133111EB)) & _MASK64
@@ -46,7 +48,37 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
     if params.greedy:
         return int(logits.argmax())
     probs = probs_from_logits(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator_for(params.seed, position)))
+    return int(torch.multinomial(probs, 1, generator=generator_for(params.seed, position, STREAM_SAMPLE)))
+
+
+def draft_sample(q: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """A sampled draft token for `position` from the draft distribution q (V,)."""
+    return int(torch.multinomial(q, 1, generator=generator_for(params.seed, position, STREAM_DRAFT)))
+
+
+def rejection_accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, params: SamplingParams,
+                     start: int) -> tuple[int, list[int]]:
+    """Speculative sampling (Leviathan et al.; Chen et al.): exact samples from the target.
+
+    drafts: L draft tokens for positions start..start+L-1; q: (L, V) draft distributions
+    they were drawn from; p: (L+1, V) target distributions at those positions and one past.
+    Draft j is accepted with probability min(1, p_j(d)/q_j(d)); at the first rejection the
+    token is drawn from the residual max(0, p_j - q_j) (normalised) and the step ends; if
+    all L are accepted, a bonus token is drawn from p_L. Returns (accepted, emitted)."""
+    out = []
+    for j, d in enumerate(drafts):
+        pos = start + j
+        u = torch.rand((), generator=generator_for(params.seed, pos, STREAM_ACCEPT))
+        if u * q[j, d] < p[j, d]:  # u < p/q without dividing (q[d] > 0: d was drawn from q)
+            out.append(d)
+            continue
+        residual = (p[j] - q[j]).clamp(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual is p itself
+            residual = p[j]
+        gen = generator_for(params.seed, pos, STREAM_RESIDUAL)
+        return j, out + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
+    gen = generator_for(params.seed, start + len(drafts), STREAM_SAMPLE)
+    return len(drafts), out + [int(torch.multinomial(p[len(drafts)], 1, generator=gen))]
 
 
 def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Adaptive pruning: target-exact greedy output, rank agreement through refits, and the
+three mechanisms (pruning, early stop, draft budget) actually firing."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine import Engine
+from controller.time_model import TimeModel
+from tests.conftest import greedy, local_engine, tiny_config, token_ids
+
+MAX_TOKENS = 24
+ADAPTIVE = ("speculative.adaptive.enabled=true", "speculative.adaptive.profile_on_start=false",
+            "speculative.num_speculative_tokens=7")
+# Validation expensive per token, drafting cheap: pruning must happen.
+PRUNING_MODEL = TimeModel(b0=1.0, b1=0.6, b2=0.0, d0=0.05, d1=0.001)
+
+
+@pytest.fixture(scope="module")
+def reference(sharegpt_prompts):
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.enabled=false"))
+    try:
+        return token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS)))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_adaptive_greedy_equals_target_tp1(method, sharegpt_prompts, reference):
+    engine = local_engine(tiny_config("parallel.tp_size=1", f"speculative.method={method}", *ADAPTIVE))
+    try:
+        engine.profile.install(PRUNING_MODEL)
+        assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
+        st = engine.stats
+        assert st.verified < st.drafted, "the decision pruned nothing"
+        assert st.accepted > 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_adaptive_greedy_equals_target_tp2(method, ray_session, sharegpt_prompts, reference):
+    engine = Engine(tiny_config("parallel.tp_size=2", f"speculative.method={method}", *ADAPTIVE))
+    try:
+        engine.profile.install(PRUNING_MODEL)
+        assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
+        assert engine.stats.verified < engine.stats.drafted
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("tp", [4, 16])
+def test_ranks_agree_through_refits(tp, ray_session, sharegpt_prompts, reference):
+    """digest_every=1: the Engine compares every rank's digest at every step; refits are
+    forced between steps while requests are in flight."""
+    n, tokens = (4, 16) if tp == 4 else (2, 6)
+    engine = Engine(tiny_config(f"parallel.tp_size={tp}", "parallel.placement_strategy=PACK", "engine.digest_every=1",
+                                "speculative.adaptive.refit_every=4", *ADAPTIVE))
+    try:
+        for p in sharegpt_prompts[:n]:
+            engine.add_request(p, greedy(tokens))
+        versions, done = set(), {}
+        while engine.has_work():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+            if engine.stats.steps % 3 == 0:
+                versions.add(engine.profile.force_refit())
+            versions.add(engine.time_model_version)
+        assert len(versions) >= 2
+        assert [done[f"req-{i}"] for i in range(n)] == [r[:tokens] for r in reference[:n]]
+    finally:
+        engine.shutdown()
+
+
+def test_early_stop_skips_draft_steps(sharegpt_prompts, reference):
+    engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
+    try:
+        engine.profile.install(PRUNING_MODEL)
+        results = engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))
+        assert token_ids(results) == reference
+        st = engine.stats
+        full = 7 * sum(r[0].steps - 1 for r in results)  # drafted if every decode step ran k draft steps
+        assert 0 < st.drafted < full
+        assert st.draft_steps_run < 7 * st.decode_steps
+    finally:
+        engine.shutdown()
+
+
+def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts, reference):
+    engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
+    try:
+        engine.profile.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
+        assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
+        st = engine.stats
+        assert st.zero_budget_steps > 0.8 * st.decode_steps  # all but the periodic probes
+    finally:
+        engine.shutdown()
