@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import ray
+
 from controller.registry import ProfileRegistry, StepSample
 from controller.time_model import TimeModel
 
@@ -21,8 +23,6 @@ SEND_EVERY = 8  # samples buffered per message to the actor
 
 class ProfileActor:
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: list):
-        import ray
-
         # After a restart, continue from the newest version the workers hold: a version
         # number is never reused for different coefficients.
         held = ray.get([w.current_time_model.remote() for w in workers])
@@ -48,8 +48,6 @@ class ProfileActor:
         return self.acked
 
     def _push(self, model: TimeModel) -> None:
-        import ray
-
         ray.get([w.install_time_model.remote(model) for w in self.workers])
         self.acked = model.version
 
@@ -95,8 +93,6 @@ class RayProfileLink:
     """The Engine's side of the actor: fire-and-forget records, non-blocking polls."""
 
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers):
-        import ray
-
         actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(ProfileActor)
         self.actor = actor_cls.remote(refit_every, initial, sweep, workers.workers)
         self.version = initial.version
@@ -110,8 +106,6 @@ class RayProfileLink:
             self._buffer = []
 
     def poll(self, step: int) -> int:
-        import ray
-
         if step % POLL_EVERY:
             return self.version
         try:
@@ -127,8 +121,6 @@ class RayProfileLink:
         return self.version
 
     def force_refit(self) -> int:
-        import ray
-
         self.version = ray.get(self.actor.force_refit.remote())
         return self.version
 
@@ -137,6 +129,4 @@ class RayProfileLink:
         return self.version
 
     def report(self) -> dict:
-        import ray
-
         return ray.get(self.actor.report.remote())

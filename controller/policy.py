@@ -22,7 +22,8 @@ from controller.estimators import Calibrator, confidence
 from controller.time_model import TimeModel
 
 MODES = ("static", "adaptive", "oracle")
-PROBE_EVERY = 16  # every 16th adaptive decode step drafts and verifies the full k: calibration data
+PROBE_EVERY = 32  # every 32nd adaptive decode step explores one draft position further ...
+PROBE_SHARE = 4  # ... and verifies everything drafted for every 4th sequence (rotating)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class SpecPolicy:
         self.models: dict[int, TimeModel] = {0: TimeModel()}
         self._lock = threading.Lock()
         self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
+        self.probes = 0
         self.ctx: StepContext | None = None
 
     # ------------------------------------------------------------------ time models
@@ -66,14 +68,17 @@ class SpecPolicy:
     # ------------------------------------------------------------------ one step
     def begin_step(self, mode: str, kv: np.ndarray, max_keep: np.ndarray, version: int,
                    oracle: np.ndarray | None = None) -> StepContext:
-        """Without probes, drafts the estimate calls hopeless would never be verified, and
-        the calibrator could never learn that they are not."""
+        """Probe steps: without them, drafts the estimate calls hopeless would never be
+        verified, and the calibrator could never learn that they are not. A probe drafts
+        one position past the budget and verifies all drafts of a rotating quarter of the
+        sequences: cheap enough to run where speculation does not pay."""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = False
         if mode == "adaptive":
             self.adaptive_steps += 1
             probe = self.adaptive_steps % PROBE_EVERY == 1
+        self.probes = self.adaptive_steps // PROBE_EVERY
         self.ctx = StepContext(mode, probe, kv, max_keep, self.model(version), oracle)
         return self.ctx
 
@@ -82,7 +87,7 @@ class SpecPolicy:
         throughput when every sequence has the calibrated acceptance of each position.
         0 means a plain decode step."""
         c = self.ctx
-        if c.mode != "adaptive" or k == 0 or c.probe:
+        if c.mode != "adaptive" or k == 0:
             return k
         tm, n, kv = c.model, len(c.kv), c.kv
         rates = self.calibrator.position_rates()[:k]
@@ -96,7 +101,7 @@ class SpecPolicy:
             theta = expected / (draft_ms + tm.validate_ms(keep + 1, kv))
             if theta > best:
                 best_m, best = m, theta
-        return best_m
+        return min(k, best_m + 1) if c.probe else best_m
 
     def keep_drafting(self, top_prob: np.ndarray, tokens: np.ndarray) -> bool:
         """After j draft steps (top_prob, tokens: (n, j)), is draft j+1 worth drafting?
@@ -119,11 +124,15 @@ class SpecPolicy:
         m = top_prob.shape[1]
         if c.mode == "oracle":
             return np.minimum(np.minimum(self._oracle_match(tokens), c.max_keep), m)
-        if c.mode == "static" or c.probe or m == 0:
+        if c.mode == "static" or m == 0:
             return np.minimum(c.max_keep, m)
         conf = self.confidence(top_prob, token_prob)
         draft_ms = m * c.model.draft_step_ms(len(c.kv))
-        return decide(conf, c.kv, c.model, self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
+        keep = decide(conf, c.kv, c.model, self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
+        if c.probe:  # a rotating share of sequences verifies everything drafted
+            chosen = (np.arange(len(keep)) + self.probes) % PROBE_SHARE == 0
+            keep = np.where(chosen, np.minimum(c.max_keep, m), keep)
+        return keep
 
     def _oracle_match(self, tokens: np.ndarray) -> np.ndarray:
         j = tokens.shape[1]

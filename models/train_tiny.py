@@ -5,7 +5,7 @@
 
 Stages:
   tokenizer  byte-level BPE (vocab 4096) on training conversations
-  target     LlamaForCausalLM, about 5.3M parameters, next-token loss on ShareGPT text
+  target     LlamaForCausalLM, about 5.1M parameters, next-token loss on ShareGPT text
   distill    the target's greedy continuations of training prompts (the text speculation sees)
   draft      a 1-layer LM distilled from the target (KL to its distribution)
   mtp        a DeepSeek-V3-style MTP module distilled from the target's next-next distribution
