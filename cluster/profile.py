@@ -127,6 +127,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> int:
     from cluster.common import open_engine
 
+    args.overrides = list(args.overrides) + ["speculative.adaptive.profile_on_start=false"]  # the sweep runs below
     cfg = config_from_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     plot(samples, report.model, out / "profile.png")
     m = report.model
     print(f"T_val = {m.b0:.3f} + {m.b1:.4f} * sum q + {m.b2:.2e} * sum q*kv  ms   (MAE {report.mae_ms:.3f} ms, "
-          f"MAPE {100 * report.mape:.1f}%, {report.samples} points)")
+          f"MAPE {100 * report.mape:.1f}% over the {report.samples} of {sum(s.q_tokens > 0 for s in samples)} "
+          f"points kept)")
     print(f"T_draft = {m.d0:.3f} + {m.d1:.4f} * n  ms per draft step")
     print(f"wrote {out / 'profile.json'} and {out / 'profile.png'}")
     return 0

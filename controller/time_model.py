@@ -74,14 +74,33 @@ class FitReport:
     samples: int
 
 
+def robust_nonneg_lstsq(x: np.ndarray, y: np.ndarray, rounds: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative least squares that drops outliers (a neighbour stealing the CPU for a
+    moment makes one timing 50x too long): points whose residual exceeds 4 robust
+    standard deviations (and 20% of their value) are left out, then refit. Returns
+    (coefficients, mask of the points kept)."""
+    keep = np.ones(len(y), dtype=bool)
+    coef = nonneg_lstsq(x, y)
+    for _ in range(rounds):
+        resid = y - x @ coef
+        mad = np.median(np.abs(resid[keep] - np.median(resid[keep]))) * 1.4826
+        new = (np.abs(resid) <= np.maximum(4 * mad, 0.2 * np.abs(y))) | (resid < 0)
+        if new.sum() < x.shape[1] or (new == keep).all():
+            break
+        keep = new
+        coef = nonneg_lstsq(x[keep], y[keep])
+    return coef, keep
+
+
 def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms: np.ndarray,
         version: int) -> FitReport:
     """rows: (m, 3) features of validate steps; draft_n / draft_ms: draft steps' batch
-    sizes and times per draft step."""
-    b = nonneg_lstsq(rows, validate_ms)
-    d = (nonneg_lstsq(np.stack([np.ones_like(draft_n, dtype=np.float64), draft_n], 1), draft_ms)
+    sizes and times per draft step. MAE and MAPE are over the points the fit kept."""
+    b, kept = robust_nonneg_lstsq(rows, validate_ms)
+    d = (robust_nonneg_lstsq(np.stack([np.ones_like(draft_n, dtype=np.float64), draft_n], 1), draft_ms)[0]
          if len(draft_n) >= 2 else np.array([0.5, 0.01]))
     model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]), float(d[0]), float(d[1]))
-    pred = rows @ b
-    err = np.abs(pred - validate_ms)
-    return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms, 1e-6)).mean()), len(rows))
+    pred = rows[kept] @ b
+    err = np.abs(pred - validate_ms[kept])
+    return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms[kept], 1e-6)).mean()),
+                     int(kept.sum()))

@@ -1,0 +1,50 @@
+"""The validate-time model fit and the profile registry's refits."""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.registry import RECENT, ProfileRegistry, StepSample
+from controller.time_model import TimeModel, fit
+
+
+def _samples(rng, m, b=(2.0, 0.05, 1e-4), spikes=0):
+    out = []
+    for i in range(m):
+        n, q, ctx = rng.integers(1, 33), rng.integers(1, 9), rng.integers(16, 512)
+        ms = b[0] + b[1] * n * q + b[2] * n * q * ctx
+        ms *= 1 + rng.normal(0, 0.02)
+        if i < spikes:
+            ms *= 40  # a neighbour took the CPU
+        out.append(StepSample(int(n), int(n * q), int(n * q * ctx), float(ms), 1, 0.5 + 0.01 * n))
+    return out
+
+
+def test_fit_recovers_coefficients_despite_spikes():
+    rng = np.random.default_rng(0)
+    data = _samples(rng, 80, spikes=6)
+    rows = np.array([s.features() for s in data])
+    report = fit(rows, np.array([s.validate_ms for s in data]), np.array([s.num_seqs for s in data], float),
+                 np.array([s.draft_ms for s in data]), version=3)
+    m = report.model
+    assert m.version == 3 and report.samples <= 74
+    assert abs(m.b0 - 2.0) < 0.3 and abs(m.b1 - 0.05) < 0.01 and abs(m.b2 - 1e-4) < 2e-5
+    assert abs(m.d0 - 0.5) < 0.05 and abs(m.d1 - 0.01) < 0.002
+    assert report.mape < 0.05
+
+
+def test_coefficients_are_never_negative():
+    rows = np.array([[1.0, q, 0.0] for q in range(1, 20)])
+    y = 10.0 - 0.1 * rows[:, 1]  # a falling line would need b1 < 0
+    report = fit(rows, y, np.array([]), np.array([]), version=1)
+    assert report.model.b1 == 0.0 and report.model.b0 > 0
+
+
+def test_registry_refits_on_schedule_and_on_drift():
+    rng = np.random.default_rng(1)
+    reg = ProfileRegistry(refit_every=50, initial=TimeModel(version=1))
+    reg.seed(_samples(rng, 40))
+    assert reg.model.version == 2
+    assert reg.add(_samples(rng, 49)) is None
+    assert reg.add(_samples(rng, 1)).version == 3  # the 50th sample
+    slow = _samples(rng, RECENT, b=(20.0, 0.5, 1e-3))  # the machine got 10x slower: refit before 50
+    assert reg.add(slow).version == 4
