@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster import acceptance, bench, generate, profile
+from cluster import acceptance, bench, generate, launch, profile, serve_cli
 
-COMMANDS = {"generate": generate, "bench": bench, "profile": profile, "acceptance": acceptance}
+COMMANDS = {"generate": generate, "bench": bench, "profile": profile, "acceptance": acceptance, "serve": serve_cli,
+            "launch": launch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.config import Config
-from cluster.request import RequestError, RequestOutput, RequestParams, Sequence, Status
+from cluster.request import QueueFullError, RequestError, RequestOutput, RequestParams, Sequence, Status
 from cluster.scheduler import Scheduler
 from controller.policy import MODES
 from controller.registry import StepSample
@@ -40,6 +40,7 @@ class EngineStats:
     dispatch_ms: float = 0.0
     draft_steps_run: int = 0  # draft forwards, summed over decode steps
     zero_budget_steps: int = 0  # decode steps that drafted nothing
+    recoveries: int = 0  # worker groups rebuilt after a rank died
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
 
@@ -78,6 +79,7 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}
         self.stats = EngineStats()
         self.allow_lossy_sampling = False  # tests only: the token_prob negative control
+        self._failures = 0  # consecutive worker-group recoveries without a completed step
         self._ids = itertools.count()
         self._requests = itertools.count()
 
@@ -114,7 +116,7 @@ class Engine:
             raise RequestError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together more "
                                f"than the context length {self.max_model_len}")
         if len(self.scheduler.waiting) >= self.cfg.engine.max_waiting:
-            raise RequestError("the waiting queue is full; retry later")
+            raise QueueFullError(f"the waiting queue is full ({self.cfg.engine.max_waiting} requests); retry later")
         request_id = request_id or f"req-{next(self._requests)}"
         base_seed = params.seed if params.seed is not None else hash(request_id) & 0x7FFFFFFF
         for i in range(params.n):
@@ -156,7 +158,14 @@ class Engine:
             self.time_model_version = self.profile.poll(plan.step)
         plan.time_model_version, plan.mode = self.time_model_version, self.mode
         t0 = time.perf_counter()
-        results = self.workers.step(plan)
+        try:
+            results = self.workers.step(plan)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not _is_worker_failure(e) or self._failures >= MAX_RECOVERIES:
+                raise
+            self._recover(e)
+            return []
+        self._failures = 0
         wall_ms = (time.perf_counter() - t0) * 1e3
         self._check_digests(plan.step, results)
         lead = results[0]
@@ -178,6 +187,22 @@ class Engine:
             self.stats.accepted += out.accepted
             updates.append(self._append(seq, out.new_tokens))
         return updates
+
+    def _recover(self, error: Exception) -> None:
+        """A rank died: rebuild the worker group and recompute every in-flight sequence
+        from its prompt and emitted tokens. Nothing emitted is lost or emitted twice: the
+        failed step's results were never applied, and recomputed tokens are not re-sent."""
+        self._failures += 1
+        self.stats.recoveries += 1
+        log.warning("worker failure (%s: %s); rebuilding the worker group", type(error).__name__, error)
+        try:
+            self.workers.shutdown()
+        except Exception:  # noqa: BLE001 - the old group is half dead; clean up what we can
+            log.debug("old worker group shutdown failed", exc_info=True)
+        self.workers = make_worker_group(self.cfg)
+        self.scheduler.requeue_all()
+        if self.profile is not None:
+            self.time_model_version = self.profile.rebind(self.workers)
 
     def _check_digests(self, step: int, results: list[StepResult]) -> None:
         every = self.cfg.engine.digest_every
@@ -235,6 +260,18 @@ class Engine:
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+
+
+MAX_RECOVERIES = 3  # consecutive rebuilds without a completed step before giving up
+
+
+def _is_worker_failure(error: Exception) -> bool:
+    """A rank (or its channel) is gone, as opposed to a bug that would fail again."""
+    import ray.exceptions as rex
+
+    dead = (rex.RayActorError, rex.ActorUnavailableError, rex.WorkerCrashedError, rex.NodeDiedError)
+    channel = tuple(getattr(rex, n) for n in ("RayChannelError", "RayChannelTimeoutError") if hasattr(rex, n))
+    return isinstance(error, dead + channel)
 
 
 def load_tokenizer(path: str):

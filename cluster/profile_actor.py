@@ -9,7 +9,9 @@ version (and Ray restarts the actor; refits resume from the samples that follow)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 
 import ray
 
@@ -54,6 +56,9 @@ class ProfileActor:
     def acked_version(self) -> int:
         return self.acked
 
+    def current_model(self) -> TimeModel:
+        return self.registry.model
+
     def report(self) -> dict:
         r = self.registry.last_report
         return {"version": self.acked, "mae_ms": r.mae_ms if r else None, "mape": r.mape if r else None}
@@ -76,6 +81,12 @@ class LocalProfileLink:
     def poll(self, step: int) -> int:
         return self.version
 
+    def rebind(self, workers) -> int:
+        """New workers: install the model in force."""
+        self.workers = workers
+        self.version = max(workers.call("install_time_model", self.registry.model))
+        return self.version
+
     def force_refit(self) -> int:
         self.version = max(self.workers.call("install_time_model", self.registry.refit().model))
         return self.version
@@ -93,11 +104,30 @@ class RayProfileLink:
     """The Engine's side of the actor: fire-and-forget records, non-blocking polls."""
 
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers):
-        actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(ProfileActor)
-        self.actor = actor_cls.remote(refit_every, initial, sweep, workers.workers)
+        self.refit_every, self.sweep, self.model = refit_every, sweep, initial
+        self.actor = self._start(initial, workers)
         self.version = initial.version
         self._pending = None
         self._buffer: list[StepSample] = []
+
+    def _start(self, model: TimeModel, workers):
+        actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(ProfileActor)
+        return actor_cls.remote(self.refit_every, model, self.sweep, workers.workers)
+
+    def rebind(self, workers) -> int:
+        """New workers: a new actor pushing to them, starting from the model in force."""
+        try:
+            model = ray.get(self.actor.current_model.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            model = self.model  # the actor is gone too: the newest model this link saw
+        try:
+            ray.kill(self.actor)
+        except ray.exceptions.RayError:
+            pass
+        model = dataclasses.replace(model, version=max(model.version, self.version))
+        workers.call("install_time_model", model)
+        self.actor, self.model, self.version, self._pending = self._start(model, workers), model, model.version, None
+        return self.version
 
     def record(self, samples: list[StepSample]) -> None:
         self._buffer += samples
@@ -120,13 +150,24 @@ class RayProfileLink:
             self._pending = None
         return self.version
 
+    def _call(self, method: str, *args, timeout_s: float = 60.0):
+        """A blocking call to the actor, waiting out a restart."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(getattr(self.actor, method).remote(*args))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def force_refit(self) -> int:
-        self.version = ray.get(self.actor.force_refit.remote())
+        self.version = self._call("force_refit")
         return self.version
 
     def install(self, model: TimeModel) -> int:
-        self.version = ray.get(self.actor.install.remote(model))
+        self.version = self._call("install", model)
         return self.version
 
     def report(self) -> dict:
-        return ray.get(self.actor.report.remote())
+        return self._call("report")

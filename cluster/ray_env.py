@@ -14,8 +14,9 @@ def ensure_ray(cfg: Config) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, log_to_driver=False)
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")  # set inside `ray job submit`
+    if address:
+        ray.init(address=address, log_to_driver=False)
         return True
     p = cfg.parallel
     need = math.ceil(p.tp_size * max(p.num_cpus_per_worker, 0.01)) + 1  # ranks plus the driver

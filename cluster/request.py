@@ -12,6 +12,12 @@ class RequestError(ValueError):
     """A request is malformed; the message says which field and why."""
 
 
+class QueueFullError(RequestError):
+    """The waiting queue is at engine.max_waiting: retry later (HTTP 429)."""
+
+    retry_after_s = 1
+
+
 @dataclass(frozen=True)
 class RequestParams:
     max_tokens: int = 16

@@ -124,6 +124,13 @@ class Scheduler:
         room = self.max_model_len - seq.total_len
         return max(0, min(self.num_spec, left - 1, room - 1))
 
+    def requeue_all(self) -> None:
+        """The workers were replaced: every running sequence is recomputed from its prompt
+        and the tokens it already emitted (oldest first); the new workers hold no state."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+        self.to_free = []
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)

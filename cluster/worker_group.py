@@ -2,7 +2,6 @@
 debugging, one in-process worker). `step` sends the same plan to every rank."""
 from __future__ import annotations
 
-import os
 
 from workers.plan import StepPlan, StepResult
 from workers.worker import TPWorker
@@ -48,7 +47,7 @@ class RayWorkerGroup:
         self.pg = placement_group([dict(bundle) for _ in range(parallel.tp_size)], strategy=parallel.placement_strategy)
         ray.get(self.pg.ready(), timeout=300)
         actor_cls = ray.remote(TPWorker)
-        env = {"OMP_NUM_THREADS": str(parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // parallel.tp_size))}
+        env = {"OMP_NUM_THREADS": str(parallel.threads())}
         self.workers = [
             actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),

@@ -74,13 +74,21 @@ class FitReport:
     samples: int
 
 
+def relative_nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Minimise relative, not absolute, error: every row is scaled by 1/y, so a 5 ms
+    batch-1 step counts as much as a 50 ms batch-32 step (decisions at batch 1 hinge on
+    the ratio of the per-step and per-token terms)."""
+    w = 1.0 / np.maximum(np.abs(y), 1e-6)
+    return nonneg_lstsq(x * w[:, None], y * w)
+
+
 def robust_nonneg_lstsq(x: np.ndarray, y: np.ndarray, rounds: int = 3) -> tuple[np.ndarray, np.ndarray]:
     """Non-negative least squares that drops outliers (a neighbour stealing the CPU for a
     moment makes one timing 50x too long): points whose residual exceeds 4 robust
     standard deviations (and 20% of their value) are left out, then refit. Returns
     (coefficients, mask of the points kept)."""
     keep = np.ones(len(y), dtype=bool)
-    coef = nonneg_lstsq(x, y)
+    coef = relative_nonneg_lstsq(x, y)
     for _ in range(rounds):
         resid = y - x @ coef
         mad = np.median(np.abs(resid[keep] - np.median(resid[keep]))) * 1.4826
@@ -88,7 +96,7 @@ def robust_nonneg_lstsq(x: np.ndarray, y: np.ndarray, rounds: int = 3) -> tuple[
         if new.sum() < x.shape[1] or (new == keep).all():
             break
         keep = new
-        coef = nonneg_lstsq(x[keep], y[keep])
+        coef = relative_nonneg_lstsq(x[keep], y[keep])
     return coef, keep
 
 

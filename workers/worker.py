@@ -48,8 +48,7 @@ class TPWorker:
     def __init__(self, rank: int, model: ModelConfig, spec: SpeculativeConfig, parallel: ParallelConfig,
                  cache: CacheConfig):
         self.rank, self.model_cfg, self.spec, self.parallel, self.cache_cfg = rank, model, spec, parallel, cache
-        threads = parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // parallel.tp_size)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(parallel.threads())
         self.runner: ModelRunner | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible server, live on Ray Serve, queried with the official `openai` client.
+
+    python -m pytest -q tests/test_serve.py
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from cluster.config import ConfigError
+from tests.conftest import greedy, local_engine, tiny_config
+
+API_KEY = "sk-adaspec-test"
+MODEL = "adaspec-tiny"
+MAX_TOKENS = 10
+PROMPTS = ["How do I bake bread?", "Write a poem about the sea", "What is Ray?", "Tell me a story",
+           "Explain tensor parallelism.", "Hi", "List three fruits.", "Why is the sky blue?"]
+CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "How do I bake bread?"}]
+# The validate-time model starts untrained and refits online, so /metrics has a MAPE to show.
+SERVER_SETTINGS = ("parallel.tp_size=1", "speculative.adaptive.enabled=true",
+                   "speculative.adaptive.profile_on_start=false", "speculative.adaptive.refit_every=16",
+                   f"serve.api_key={API_KEY}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def overrides_of(cfg) -> list[str]:
+    """Every key of a Config as `key.path=value`, so the server runs exactly `cfg`."""
+    out = []
+
+    def walk(prefix: str, node) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(f"{prefix}{key}.", value)
+            else:
+                out.append(f"{prefix}{key}={json.dumps(value)}")
+
+    walk("", cfg.to_dict())
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """Greedy texts from an in-process engine on the same config: the prompts, then the chat."""
+    cfg = tiny_config(*SERVER_SETTINGS)
+    engine = local_engine(cfg)
+    try:
+        chat_text = engine.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+        results = engine.generate(PROMPTS + [chat_text], greedy(MAX_TOKENS))
+    finally:
+        engine.shutdown()
+    return [samples[0] for samples in results]
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_session):
+    from ray import serve
+
+    from cluster.serve import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        app = build_app({"config": "yamls/tiny.yaml", "overrides": overrides_of(tiny_config(*SERVER_SETTINGS))})
+        serve.run(app, name="adaspec-test", route_prefix="/", blocking=False)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def http(base_url: str, path: str, body: bytes | None = None, key: str | None = API_KEY) -> tuple[int, dict | str]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(base_url + path, data=body, headers=headers, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, raw = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read().decode()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def complete(client, prompt, **kw):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True}, **kw)
+
+
+def test_health_and_models(base_url, client):
+    assert http(base_url, "/health", key=None) == (200, {"status": "ok"})
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    status, body = http(base_url, "/v1/nowhere")
+    assert status == 404 and body["error"]["message"]
+
+
+def test_completion_matches_engine(client, expected):
+    r = complete(client, PROMPTS[0], n=2)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.text == expected[0].text and c.finish_reason == "length" for c in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(expected[0].prompt_ids), 2 * MAX_TOKENS)
+
+
+def test_chat_matches_engine(client, expected):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected[-1].text
+    assert r.usage.prompt_tokens == len(expected[-1].prompt_ids)
+
+
+def test_streams_join_to_the_full_text(client, expected):
+    chunks = list(complete(client, PROMPTS[1], stream=True))
+    assert len(chunks) > 1 and chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks) == expected[1].text
+    chat = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == expected[-1].text
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_concurrent_clients_get_engine_texts(client, expected):
+    texts: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            texts[i] = complete(client, PROMPTS[i]).choices[0].text
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert [texts[i] for i in range(len(PROMPTS))] == [e.text for e in expected[:len(PROMPTS)]]
+
+
+def test_wrong_or_missing_key_is_401(base_url):
+    import openai
+
+    bad = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 401
+    status, body = http(base_url, "/v1/models", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key" and body["error"]["message"]
+    assert http(base_url, "/metrics", key="sk-wrong")[0] == 401
+
+
+LONG = "word " * 600  # more tokens than model.max_model_len=512
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/completions", b'{"model": "adaspec-tiny", "prompt": ', None, "not valid JSON"),
+    ("non-UTF-8 body", "/v1/completions", b'{"prompt": "caf\xe9", "max_tokens": 2}', None, "UTF-8"),
+    ("JSON that is not an object", "/v1/completions", b'["Hi"]', None, "JSON object"),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, "model", "gpt-4"),
+    ("missing prompt", "/v1/completions", {"model": MODEL, "max_tokens": 2}, "prompt", "prompt is required"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, "messages", "messages is required"),
+    ("zero max_tokens", "/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ("negative max_tokens", "/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens",
+     "max_tokens"),
+    ("prompt longer than the context", "/v1/completions", {"prompt": LONG, "max_tokens": 4}, "prompt",
+     "context length"),
+    ("wrong field type", "/v1/completions", {"prompt": "Hi", "max_tokens": "many"}, "max_tokens", "max_tokens"),
+    ("negative temperature", "/v1/completions", {"prompt": "Hi", "temperature": -1}, "temperature", "temperature"),
+    ("several prompts", "/v1/completions", {"prompt": ["a", "b"]}, "prompt", "one string"),
+    ("prompt of the wrong type", "/v1/completions", {"prompt": 5}, "prompt", "prompt"),
+    ("message without a role", "/v1/chat/completions", {"messages": [{"content": "Hi"}]}, "messages", "role"),
+    ("empty stop string", "/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop", "stop"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param,says", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_are_400(base_url, name, path, body, param, says):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, answer = http(base_url, path, raw)
+    assert status == 400, (name, answer)
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and says in error["message"], error
+    assert error["param"] == param
+
+
+def test_bad_request_through_the_client(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=-1)
+    assert "max_tokens" in str(e.value)
+
+
+def test_metrics(base_url, client):
+    complete(client, PROMPTS[2])
+    status, text = http(base_url, "/metrics")
+    assert status == 200
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['adaspec_requests_total{route="/v1/completions",status="200"}'] >= 1
+    assert values['adaspec_requests_total{route="/v1/completions",status="400"}'] >= 1
+    assert values["adaspec_generation_tokens_total"] >= MAX_TOKENS and values["adaspec_prompt_tokens_total"] > 0
+    for name in ("adaspec_time_to_first_token_seconds_count", "adaspec_time_per_output_token_seconds_count",
+                 "adaspec_e2e_request_latency_seconds_count", "adaspec_spec_drafted_tokens_total",
+                 "adaspec_spec_verified_tokens_total", "adaspec_spec_accepted_tokens_total"):
+        assert values[name] > 0, name
+    assert values["adaspec_queue_depth"] == 0 and values["adaspec_running_sequences"] >= 0
+    assert values["adaspec_mean_acceptance_length"] >= 1
+    assert 0 <= values['adaspec_acceptance_rate{position="0"}'] <= 1
+    assert values["adaspec_time_model_version"] >= 1 and values["adaspec_time_model_mape"] >= 0
+
+
+def test_app_arguments_are_checked():
+    from cluster.serve import build_app
+
+    with pytest.raises(ConfigError, match="unknown application argument 'confg'"):
+        build_app({"confg": "yamls/tiny.yaml"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_app({"config": "yamls/nope.yaml"})
+    with pytest.raises(ConfigError, match="parallel.tp_size"):
+        build_app({"config": "yamls/tiny.yaml", "overrides": ["parallel.tp_size=0"]})
+
+
+def test_stream_deltas_hold_back_what_may_change():
+    from cluster.request import RequestOutput
+    from cluster.serve import SSEState
+
+    state = SSEState("text", "cmpl-1", MODEL, 0, 1, ("\n\nUser:",), False)
+    texts = ["Sure", "Sure, caf\ufffd", "Sure, café\n", "Sure, café\n\nUs", "Sure, café"]
+    chunks = []
+    for i, text in enumerate(texts):
+        final = i == len(texts) - 1
+        out = RequestOutput("r", 0, [1], [2] * (i + 1), text, final, "stop" if final else None, [2])
+        chunks += [json.loads(c.removeprefix("data: ")) for c in state.update(out)]
+    deltas = [c["choices"][0]["text"] for c in chunks]
+    assert deltas == ["Sure", ", caf", "é", ""] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_async_engine_batches_concurrent_requests(expected):
+    import asyncio
+
+    from cluster.async_engine import AsyncEngine
+    from cluster.request import RequestError, RequestParams
+
+    engine = local_engine(tiny_config(*SERVER_SETTINGS))
+    running: list[int] = []
+    step = engine.step
+    engine.step = lambda: (running.append(len(engine.scheduler.running)), step())[1]
+    async_engine = AsyncEngine(engine)
+
+    async def scenario():
+        outs = await asyncio.gather(*(async_engine.generate(p, greedy(MAX_TOKENS)) for p in PROMPTS[:4]))
+        with pytest.raises(RequestError, match="max_tokens"):
+            await async_engine.add("Hi", RequestParams(max_tokens=0))
+        await async_engine.add("Hi", greedy(4))  # never read: its stream must still go away
+        for _ in range(600):  # the engine finishes it, then the loop drops its stream
+            if not engine.has_work() and async_engine.num_streams == 0:
+                break
+            await asyncio.sleep(0.05)
+        return [o[0].text for o in outs]
+
+    try:
+        assert asyncio.run(scenario()) == [e.text for e in expected[:4]]
+        assert max(running) >= 2 and async_engine.num_streams == 0
+    finally:
+        async_engine.shutdown()
+        engine.shutdown()
