@@ -22,7 +22,8 @@ from controller.estimators import Calibrator, confidence
 from controller.time_model import TimeModel
 
 MODES = ("static", "adaptive", "oracle")
-PROBE_EVERY = 32  # every 32nd adaptive decode step explores one draft position further ...
+PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
+PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding that drafting does not pay ...
 PROBE_SHARE = 4  # ... and verifies everything drafted for every 4th sequence (rotating)
 
 
@@ -44,6 +45,8 @@ class SpecPolicy:
         self._lock = threading.Lock()
         self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
         self.probes = 0
+        self.probe_every = PROBE_EVERY
+        self.last_probe = -PROBE_EVERY  # the first adaptive step probes
         self.ctx: StepContext | None = None
 
     # ------------------------------------------------------------------ time models
@@ -77,31 +80,34 @@ class SpecPolicy:
         probe = False
         if mode == "adaptive":
             self.adaptive_steps += 1
-            probe = self.adaptive_steps % PROBE_EVERY == 1
-        self.probes = self.adaptive_steps // PROBE_EVERY
+            probe = self.adaptive_steps - self.last_probe >= self.probe_every
+            if probe:
+                self.last_probe, self.probes = self.adaptive_steps, self.probes + 1
         self.ctx = StepContext(mode, probe, kv, max_keep, self.model(version), oracle)
         return self.ctx
 
     def draft_budget(self, k: int) -> int:
         """How many draft steps to run: the m in 0..k that maximises the estimated
-        throughput when every sequence has the calibrated acceptance of each position.
-        0 means a plain decode step."""
+        throughput n (1 + a_1 + .. + a_m) / (m T_step + T_val) when every sequence has the
+        calibrated acceptance of each position and the batch's mean context (O(k) scalar
+        arithmetic, the same on every rank). 0 means a plain decode step."""
         c = self.ctx
         if c.mode != "adaptive" or k == 0:
             return k
-        tm, n, kv = c.model, len(c.kv), c.kv
-        rates = self.calibrator.position_rates()[:k]
-        best_m, best = 0, n / tm.validate_ms(np.ones(n), kv)
+        tm, n = c.model, len(c.kv)
+        kv_mean = float(np.mean(c.kv))
+        per_token = n * (tm.b1 + tm.b2 * kv_mean)
+        a = np.cumprod(self.calibrator.position_rates()[:k])
+        best_m, best, expected = 0, 1.0 / (tm.b0 + per_token), 1.0
         for m in range(1, k + 1):
-            draft_ms = m * tm.draft_step_ms(n)
-            keep = decide(np.broadcast_to(rates[:m], (n, m)), kv, tm, self.cfg.adaptive.min_gain, draft_ms,
-                          c.max_keep)
-            a = np.cumprod(rates[:m])
-            expected = n + sum(a[:L].sum() for L in keep)
-            theta = expected / (draft_ms + tm.validate_ms(keep + 1, kv))
-            if theta > best:
+            expected += a[m - 1]
+            theta = expected / (m * tm.draft_step_ms(n) + tm.b0 + (m + 1) * per_token)
+            if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
-        return min(k, best_m + 1) if c.probe else best_m
+        if c.probe:  # back off while probing keeps confirming that drafting does not pay
+            self.probe_every = min(PROBE_MAX_EVERY, self.probe_every * 2) if best_m == 0 else PROBE_EVERY
+            return min(k, best_m + 1)
+        return best_m
 
     def keep_drafting(self, top_prob: np.ndarray, tokens: np.ndarray) -> bool:
         """After j draft steps (top_prob, tokens: (n, j)), is draft j+1 worth drafting?
