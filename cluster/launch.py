@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from cluster.common import add_config_args
-from cluster.serve_cli import Serving, add_http_args, http_overrides, print_endpoints, start, stop, wait_for_signal
+from cluster.serve_cli import Serving, add_http_args, http_overrides, print_endpoints, serve_until_signal
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -68,15 +68,11 @@ def dashboard_url() -> str | None:
 def run(args: argparse.Namespace) -> int:
     if args.config and args.config != args.config_file:
         raise ValueError(f"give the config once: {args.config_file!r} and --config {args.config!r} differ")
-    serving = start(args.config_file, list(args.overrides) + http_overrides(args))
-    try:
+    def announce(serving: Serving) -> None:
         print_cluster(serving)
         print_endpoints(serving)
-        wait_for_signal()
-        print("adaspec: shutting down", flush=True)
-    finally:
-        stop(serving)
-    return 0
+
+    return serve_until_signal(args.config_file, list(args.overrides) + http_overrides(args), announce)
 
 
 def main(argv: list[str] | None = None) -> int:

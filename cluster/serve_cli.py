@@ -111,15 +111,20 @@ def wait_for_signal() -> int:
     return got[0]
 
 
-def run(args: argparse.Namespace) -> int:
-    serving = start(args.config, list(args.overrides) + http_overrides(args))
+def serve_until_signal(config: str | None, overrides: list[str], announce) -> int:
+    """Start serving, `announce(serving)`, wait for SIGINT/SIGTERM, then stop cleanly."""
+    serving = start(config, overrides)
     try:
-        print_endpoints(serving)
+        announce(serving)
         wait_for_signal()
         print("adaspec: shutting down", flush=True)
     finally:
         stop(serving)
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve_until_signal(args.config, list(args.overrides) + http_overrides(args), print_endpoints)
 
 
 def main(argv: list[str] | None = None) -> int:

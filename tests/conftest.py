@@ -67,3 +67,16 @@ def sharegpt_prompts():
         if len(out) == 8:
             return out
     raise AssertionError("not enough held-out prompts")
+
+
+REFERENCE_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def reference(sharegpt_prompts):
+    """Target-only greedy outputs (REFERENCE_TOKENS each) of the ShareGPT prompts at TP=1."""
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.enabled=false"))
+    try:
+        return token_ids(engine.generate(sharegpt_prompts, greedy(REFERENCE_TOKENS)))
+    finally:
+        engine.shutdown()

@@ -6,22 +6,14 @@ import pytest
 
 from cluster.engine import Engine
 from controller.time_model import TimeModel
-from tests.conftest import greedy, local_engine, tiny_config, token_ids
+from tests.conftest import REFERENCE_TOKENS, greedy, local_engine, tiny_config, token_ids
 
-MAX_TOKENS = 24
+MAX_TOKENS = REFERENCE_TOKENS
 ADAPTIVE = ("speculative.adaptive.enabled=true", "speculative.adaptive.profile_on_start=false",
             "speculative.num_speculative_tokens=7")
 # Validation expensive per token, drafting cheap: pruning must happen.
 PRUNING_MODEL = TimeModel(b0=1.0, b1=0.6, b2=0.0, d0=0.05, d1=0.001)
 
-
-@pytest.fixture(scope="module")
-def reference(sharegpt_prompts):
-    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.enabled=false"))
-    try:
-        return token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS)))
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])

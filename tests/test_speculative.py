@@ -4,19 +4,11 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine import Engine
-from tests.conftest import greedy, local_engine, tiny_config, token_ids
+from tests.conftest import REFERENCE_TOKENS, greedy, local_engine, tiny_config, token_ids
 
-MAX_TOKENS = 24
+MAX_TOKENS = REFERENCE_TOKENS
 KS = (1, 3, 7)
 
-
-@pytest.fixture(scope="module")
-def reference(sharegpt_prompts):
-    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.enabled=false"))
-    try:
-        return token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS)))
-    finally:
-        engine.shutdown()
 
 
 def _check_all_k(engine, prompts, reference):
