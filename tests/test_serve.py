@@ -286,3 +286,69 @@ def test_async_engine_batches_concurrent_requests(expected):
     finally:
         async_engine.shutdown()
         engine.shutdown()
+
+
+def test_load_streaming_clients_for_a_bounded_time(client, expected):
+    """12 streaming clients loop for a bounded time (loopback only): no errors but
+    intended 429s, and every completed stream joins to the engine's greedy text."""
+    import time
+
+    import openai
+
+    deadline, clients = time.monotonic() + 20.0, 12
+    done, errors, refused = [], [], []
+
+    def loop(c: int) -> None:
+        for r in range(50):  # bounded in count as well as in time
+            if time.monotonic() > deadline:
+                return
+            i = (c + r) % len(PROMPTS)
+            try:
+                chunks = list(complete(client, PROMPTS[i], stream=True))
+                done.append((i, "".join(ch.choices[0].text for ch in chunks if ch.choices)))
+            except openai.RateLimitError:
+                refused.append(i)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    assert len(done) >= clients
+    assert all(text == expected[i].text for i, text in done)
+
+
+FIELDS = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+          "stream", "ignore_eos")
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=False),
+                        st.text(max_size=40))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) |
+                        st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+
+
+def test_fuzzed_requests_never_500(base_url):
+    """Random bodies (random JSON under the API's field names, and raw bytes) get an
+    answer below 500, quickly: no crash, no hang."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    small_tokens = st.integers(-3, 6)  # keep accepted generations short
+    body = st.fixed_dictionaries({}, optional={f: (small_tokens if f == "max_tokens" else _json_values())
+                                               for f in FIELDS})
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+           payload=st.one_of(body.map(lambda d: json.dumps(d).encode()), st.binary(max_size=64)))
+    def check(path, payload):
+        status, _ = http(base_url, path, payload or b"{}")
+        assert status < 500, (path, payload[:200], status)
+
+    check()
