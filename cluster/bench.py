@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,7 +26,6 @@ from cluster.common import add_config_args, config_from_args
 from cluster.engine import Engine
 from cluster.request import RequestParams
 
-log = logging.getLogger("adaspec.bench")
 
 
 @dataclass
