@@ -97,27 +97,30 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _decode_plan(self) -> tuple[StepPlan, list[Sequence]] | None:
         plans: list[SeqPlan] = []
-        for seq in list(self.running):
-            if seq not in self.running:  # preempted below while making room
-                continue
+        i = 0
+        while i < len(self.running):  # preemption shrinks the list from its (youngest) end
+            seq = self.running[i]
+            if not self._make_room(seq):
+                break  # seq itself was the youngest and was preempted: nothing after it is left
             num_spec = self._num_spec(seq)
-            # Drafting runs the batch's largest k for every sequence, so cover k for all.
-            while not self.blocks.grow(seq, seq.total_len + self.num_spec + 1):
-                victim = self.running[-1]  # the youngest
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq in self.running:
-                done = len(seq.output_ids)
-                oracle = seq.oracle_ids[done:done + num_spec] if seq.oracle_ids is not None else None
-                plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, num_spec=num_spec,
-                                     oracle=oracle))
+            done = len(seq.output_ids)
+            oracle = seq.oracle_ids[done:done + num_spec] if seq.oracle_ids is not None else None
+            plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, num_spec=num_spec, oracle=oracle))
+            i += 1
         if not plans:
             return None
-        seqs = [s for s in self.running if any(p.seq_id == s.seq_id for p in plans)]
-        order = {s.seq_id: i for i, s in enumerate(seqs)}
-        plans.sort(key=lambda p: order[p.seq_id])
-        return StepPlan(self.step_index, plans, decode=True, free=self._take_free()), seqs
+        return StepPlan(self.step_index, plans, decode=True, free=self._take_free()), self.running[:len(plans)]
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Blocks for seq's next step (drafting runs the batch's largest k for every
+        sequence, so cover k for all), preempting the youngest until they fit. False if
+        seq itself had to go."""
+        while not self.blocks.grow(seq, seq.total_len + self.num_spec + 1):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _num_spec(self, seq: Sequence) -> int:
         left = seq.params.max_tokens - len(seq.output_ids)

@@ -24,9 +24,6 @@ class LocalWorkerGroup:
     def call(self, method: str, *args) -> list:
         return [getattr(self.worker, method)(*args)]
 
-    def call_async(self, method: str, *args) -> list:
-        return self.call(method, *args)
-
     def shutdown(self) -> None:
         self.worker.shutdown()
 
@@ -80,10 +77,7 @@ class RayWorkerGroup:
         """Run a TPWorker method on every rank at once; results by rank."""
         import ray
 
-        return ray.get(self.call_async(method, *args))
-
-    def call_async(self, method: str, *args) -> list:
-        return [getattr(w, method).remote(*args) for w in self.workers]
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
 
     def shutdown(self) -> None:
         import ray
