@@ -36,6 +36,7 @@ class EngineStats:
     emitted: int = 0
     draft_ms: float = 0.0
     validate_ms: float = 0.0
+    predicted_validate_ms: float = 0.0  # what the time models in force predicted for those validations
     step_ms: float = 0.0
     dispatch_ms: float = 0.0
     draft_steps_run: int = 0  # draft forwards, summed over decode steps
@@ -51,6 +52,7 @@ class EngineStats:
         self.zero_budget_steps += decode and s.draft_steps == 0
         self.draft_ms += s.draft_ms
         self.validate_ms += s.validate_ms
+        self.predicted_validate_ms += s.predicted_validate_ms
         self.step_ms += s.step_ms
         self.dispatch_ms += dispatch_ms
         for mine, new in ((self.accepted_per_position, s.accepted_per_position),
@@ -169,9 +171,14 @@ class Engine:
         wall_ms = (time.perf_counter() - t0) * 1e3
         self._check_digests(plan.step, results)
         lead = results[0]
-        self.stats.add(lead.stats, max(0.0, wall_ms - lead.stats.step_ms), plan.decode)
+        st = lead.stats
+        self.stats.add(st, max(0.0, wall_ms - st.step_ms), plan.decode)
+        if plan.decode and log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %d seqs, %d draft steps, verified %d, accepted %s, validate %.2f ms "
+                      "(predicted %.2f, model v%d)", plan.step, st.num_seqs, st.draft_steps,
+                      sum(st.verified_per_position), st.accepted_per_position, st.validate_ms,
+                      st.predicted_validate_ms, plan.time_model_version)
         if self.profile is not None and plan.decode:
-            st = lead.stats
             self.profile.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
                                             st.draft_steps, st.draft_ms)])
         by_id = {s.seq_id: s for s in seqs}
