@@ -34,6 +34,7 @@ class EngineStats:
     verified: int = 0
     accepted: int = 0
     emitted: int = 0
+    prefill_tokens: int = 0  # target tokens computed by prefill steps (prompts, recomputes)
     draft_ms: float = 0.0
     validate_ms: float = 0.0
     predicted_validate_ms: float = 0.0  # what the time models in force predicted for those validations
@@ -48,6 +49,7 @@ class EngineStats:
     def add(self, s: StepStats, dispatch_ms: float, decode: bool) -> None:
         self.steps += 1
         self.decode_steps += decode
+        self.prefill_tokens += 0 if decode else s.num_tokens
         self.draft_steps_run += s.draft_steps
         self.zero_budget_steps += decode and s.draft_steps == 0
         self.draft_ms += s.draft_ms
@@ -80,7 +82,6 @@ class Engine:
         self.mode = "adaptive" if self.profile else "static"
         self.seqs: dict[int, Sequence] = {}
         self.stats = EngineStats()
-        self.allow_lossy_sampling = False  # tests only: the token_prob negative control
         self._failures = 0  # consecutive worker-group recoveries without a completed step
         self._ids = itertools.count()
         self._requests = itertools.count()
@@ -103,12 +104,6 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None,
                     oracle_ids: list[int] | None = None) -> str:
         params.validate()
-        adaptive = self.cfg.speculative.adaptive
-        if (params.temperature > 0 and adaptive.enabled and adaptive.estimator == "token_prob"
-                and not self.allow_lossy_sampling):
-            raise RequestError("temperature > 0 with speculative.adaptive.estimator=token_prob is refused: that "
-                               "estimator makes verifying a draft depend on the sampled token itself, which skews "
-                               "the output distribution; use top_prob_calibrated or top_prob")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("prompt is empty")
@@ -121,11 +116,14 @@ class Engine:
             raise QueueFullError(f"the waiting queue is full ({self.cfg.engine.max_waiting} requests); retry later")
         request_id = request_id or f"req-{next(self._requests)}"
         base_seed = params.seed if params.seed is not None else hash(request_id) & 0x7FFFFFFF
+        samples = []
         for i in range(params.n):
             sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=base_seed * 7919 + i)
             seq = Sequence(next(self._ids), request_id, i, ids, params, sampling, oracle_ids=oracle_ids)
             self.seqs[seq.seq_id] = seq
-            self.scheduler.add(seq)
+            samples.append(seq)
+        samples[0].forks = samples[1:]  # prefilled once: the others fork from sample 0's prompt
+        self.scheduler.add(samples[0])
         return request_id
 
     def encode(self, text: str) -> list[int]:

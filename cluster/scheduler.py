@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections import deque
 
 from cluster.request import Sequence, Status
-from workers.plan import SeqPlan, StepPlan
+from workers.plan import ForkPlan, SeqPlan, StepPlan
 
 
 class BlockAllocator:
+    """Cache blocks with reference counts: forked samples share their prompt's full blocks."""
+
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.free_blocks = deque(range(num_blocks))
+        self.refs = [0] * num_blocks
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -27,11 +30,23 @@ class BlockAllocator:
         need = self.blocks_for(positions) - len(seq.block_table)
         if need > len(self.free_blocks):
             return False
-        seq.block_table.extend(self.free_blocks.popleft() for _ in range(max(0, need)))
+        for _ in range(max(0, need)):
+            block = self.free_blocks.popleft()
+            self.refs[block] = 1
+            seq.block_table.append(block)
         return True
 
+    def share(self, seq: Sequence, blocks: list[int]) -> None:
+        """`seq` starts with `blocks`, which another sequence holds too (read-only)."""
+        for block in blocks:
+            self.refs[block] += 1
+        seq.block_table = list(blocks)
+
     def release(self, seq: Sequence) -> None:
-        self.free_blocks.extend(seq.block_table)
+        for block in seq.block_table:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free_blocks.append(block)
         seq.block_table = []
 
 
@@ -84,15 +99,39 @@ class Scheduler:
                 continue
             chunk = todo[:budget]
             last = len(chunk) == len(todo)
+            forks = self._fork(seq) if last and seq.forks else []
             plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, prefill=chunk,
                                  prefill_start=seq.num_prefilled, prefill_last=last,
-                                 next_token=seq.output_ids[-1] if last and seq.output_ids else None))
+                                 next_token=seq.output_ids[-1] if last and seq.output_ids else None,
+                                 forks=[ForkPlan(c.seq_id, list(c.block_table), c.sampling) for c in forks]))
             seq.num_prefilled += len(chunk)
             budget -= len(chunk)
             seqs.append(seq)
+            seqs.extend(forks)
         if not plans:
             return None
         return StepPlan(self.step_index, plans, decode=False, free=self._take_free()), seqs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 of parent's prompt, started from its prefill: they share its full
+        prompt blocks (the block holding the last prompt position and the first output is
+        copied by the workers). Those without a free slot or blocks are queued to prefill
+        on their own, ahead of later requests."""
+        prompt = parent.prefill_len
+        shared = parent.block_table[:prompt // self.blocks.block_size]
+        forked, queued = [], []
+        for child in parent.forks:
+            self.blocks.share(child, shared)
+            if len(self.running) < self.max_num_seqs and self.blocks.grow(child, prompt + self.num_spec + 2):
+                child.status, child.num_prefilled, child.prefill_len = Status.RUNNING, prompt, prompt
+                self.running.append(child)
+                forked.append(child)
+            else:
+                self.blocks.release(child)
+                queued.append(child)
+        parent.forks = []
+        self.waiting.extendleft(reversed(queued))
+        return forked
 
     # ------------------------------------------------------------------ decode
     def _decode_plan(self) -> tuple[StepPlan, list[Sequence]] | None:

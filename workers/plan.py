@@ -18,6 +18,17 @@ class SamplingParams:
 
 
 @dataclass
+class ForkPlan:
+    """Another sample of the same prompt, forked when its parent's prefill ends: it shares
+    the parent's full prompt blocks, gets a copy of the partial last one, and samples its
+    own first token from the parent's last prefill logits."""
+
+    seq_id: int
+    block_table: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
 class SeqPlan:
     seq_id: int
     block_table: list[int]  # cache blocks of this sequence, covering every position it may write
@@ -26,6 +37,7 @@ class SeqPlan:
     prefill_start: int = 0  # position of prefill[0]; 0 starts (or restarts) the sequence
     prefill_last: bool = False  # the chunk ends the prompt: sample the first output token
     next_token: int | None = None  # with prefill_last, a recompute: this token follows (no sampling)
+    forks: list[ForkPlan] = field(default_factory=list)  # with prefill_last: samples 1..n-1 of the prompt
     num_spec: int = 0  # decode step: draft tokens this sequence may propose
     oracle: list[int] | None = None  # oracle mode: the reference tokens that follow (benchmark only)
 

@@ -19,7 +19,7 @@ from controller.policy import SpecPolicy
 
 from models.attention import AttnBatch
 from models.decoder import CausalLM
-from workers.plan import SamplingParams, SeqOutput, StepPlan, StepResult, StepStats
+from workers.plan import ForkPlan, SamplingParams, SeqOutput, StepPlan, StepResult, StepStats
 from workers.proposer import MTPProposer, Proposer, SeqState
 from workers.sampler import draft_sample, greedy_accept, probs_from_logits, rejection_accept, sample_token
 
@@ -43,6 +43,10 @@ class ModelRunner:
         self.cache = target.new_kv_cache(num_blocks * block_size)
         self.seqs: dict[int, SeqState] = {}
         self.corrupt_digest = False  # fault injection: make this rank's digest disagree
+        # Tests only (the lossless test's negative control): draw the bonus token fresh from
+        # p even where an unverified draft exists, as xLLM does. Verifying then depends on
+        # the decision, and a token-dependent decision skews the output distribution.
+        self.fresh_bonus = False
 
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
@@ -87,10 +91,31 @@ class ModelRunner:
             if p.next_token is not None:  # recomputed after a preemption: the token is known
                 s.tokens.append(p.next_token)
                 continue
+            for f in p.forks:
+                outputs.append(self._fork(s, f, logits[row]))
             token = sample_token(logits[row], p.sampling, position=len(s.tokens))
             s.tokens.append(token)
             outputs.append(SeqOutput(p.seq_id, [token]))
         return outputs
+
+    def _fork(self, parent: SeqState, f: ForkPlan, logits: torch.Tensor) -> SeqOutput:
+        """Another sample of parent's prompt (just prefilled; logits: (V,) at its last
+        position). Full prompt blocks are shared; the partial one, where this sample writes
+        its first token, is copied. The proposer has not run on the prompt yet, so only the
+        target cache holds anything to copy."""
+        prompt = len(parent.tokens)
+        child = SeqState(f.seq_id, list(parent.tokens), f.block_table, num_computed=parent.num_computed,
+                         hidden=parent.hidden, hidden_start=parent.hidden_start)
+        if prompt % self.block_size:
+            src, dst = parent.block_table[prompt // self.block_size], f.block_table[prompt // self.block_size]
+            a, b, size = src * self.block_size, dst * self.block_size, self.block_size
+            for cache_k, cache_v in self.cache:
+                cache_k[b:b + size] = cache_k[a:a + size]
+                cache_v[b:b + size] = cache_v[a:a + size]
+        token = sample_token(logits, f.sampling, position=prompt)
+        child.tokens.append(token)
+        self.seqs[f.seq_id] = child
+        return SeqOutput(f.seq_id, [token])
 
     # ------------------------------------------------------------------ decode
     def _decode(self, plan: StepPlan, stats: StepStats) -> list[SeqOutput]:
@@ -165,8 +190,11 @@ class ModelRunner:
             L = int(keep[i])
             rows = logits[int(batch.last_index[i]) - L: int(batch.last_index[i]) + 1]  # (L+1, V)
             p_target = probs_from_logits(rows, p.sampling)
-            q = draft.q[i][:L] if L else torch.zeros(0, rows.shape[-1])
-            accepted[i], emitted[i] = rejection_accept(draft.tokens[i, :L].tolist(), q, p_target, p.sampling,
+            # drafts that may decide their position: those this sequence asked for (the batch
+            # may draft further for others), so the text does not depend on the batch
+            usable = L if self.fresh_bonus else min(draft.steps, p.num_spec)
+            q = draft.q[i][:usable] if usable else torch.zeros(0, rows.shape[-1])
+            accepted[i], emitted[i] = rejection_accept(draft.tokens[i, :usable].tolist(), q, p_target, p.sampling,
                                                        start=len(s.tokens))
         self.policy.observe(draft.top_prob[:, :kmax], keep.numpy(), accepted.numpy())
         stats.accepted_per_position = [int((accepted > j).sum()) for j in range(draft.steps)]

@@ -60,14 +60,24 @@ def rejection_accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, params
                      start: int) -> tuple[int, list[int]]:
     """Speculative sampling (Leviathan et al.; Chen et al.): exact samples from the target.
 
-    drafts: L draft tokens for positions start..start+L-1; q: (L, V) draft distributions
-    they were drawn from; p: (L+1, V) target distributions at those positions and one past.
-    Draft j is accepted with probability min(1, p_j(d)/q_j(d)); at the first rejection the
-    token is drawn from the residual max(0, p_j - q_j) (normalised) and the step ends; if
-    all L are accepted, a bonus token is drawn from p_L. Returns (accepted, emitted)."""
+    p: (L+1, V) target distributions at positions start..start+L (after the last emitted
+    token and after each of the L verified drafts). drafts: m >= L draft tokens for
+    positions start..start+m-1, drawn from q: (m, V). Draft j is accepted with probability
+    min(1, p_j(d)/q_j(d)); at the first rejection the token is drawn from the residual
+    max(0, p_j - q_j) (normalised) and the step ends. If all L verified drafts are
+    accepted, the token at start+L is the bonus: when a draft for that position exists
+    (drafted but not verified), the same accept/residual test decides it, so the token is
+    the one verifying that draft would have given; otherwise it is drawn from p_L. Each
+    position's token is therefore a function of the seed alone, whatever the decision
+    verified, which keeps any keep rule lossless. Returns (accepted verified drafts, emitted)."""
+    L = p.shape[0] - 1
     out = []
-    for j, d in enumerate(drafts):
+    for j in range(L + 1):
         pos = start + j
+        if j == len(drafts):  # no draft for this position: a plain sample from the target
+            gen = generator_for(params.seed, pos, STREAM_SAMPLE)
+            return L, out + [int(torch.multinomial(p[j], 1, generator=gen))]
+        d = drafts[j]
         u = torch.rand((), generator=generator_for(params.seed, pos, STREAM_ACCEPT))
         if u * q[j, d] < p[j, d]:  # u < p/q without dividing (q[d] > 0: d was drawn from q)
             out.append(d)
@@ -77,8 +87,7 @@ def rejection_accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, params
             residual = p[j]
         gen = generator_for(params.seed, pos, STREAM_RESIDUAL)
         return j, out + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
-    gen = generator_for(params.seed, start + len(drafts), STREAM_SAMPLE)
-    return len(drafts), out + [int(torch.multinomial(p[len(drafts)], 1, generator=gen))]
+    return L, out  # the unverified draft at start+L was accepted as the bonus token
 
 
 def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
