@@ -46,6 +46,7 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None
     model_name: str = "adaspec-tiny"
+    max_request_bytes: int = 1 << 20  # larger request bodies are refused (HTTP 413)
 
 
 @dataclass
@@ -83,7 +84,7 @@ CHOICES = {
     "parallel.placement_strategy": PLACEMENTS, "model.dtype": DTYPE_NAMES,
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
-            "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len")
+            "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -95,7 +96,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, not {type(raw).__name__}")
     for item in overrides or []:
@@ -103,6 +104,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = _build(Config, raw, "")
     validate(cfg)
     return cfg
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's message on one line: the problem and where."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(error).split())
 
 
 def apply_override(raw: dict, item: str) -> None:

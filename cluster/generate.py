@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from cluster.common import add_config_args, open_engine
+from cluster.common import add_config_args, config_from_args, open_engine
 from cluster.request import RequestParams
 
 
@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     params = RequestParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                            n=args.n)
-    with open_engine(args) as engine:
+    params.validate()  # refuse bad arguments before any worker starts
+    cfg = config_from_args(args)
+    with open_engine(args, cfg) as engine:
         results = engine.generate(prompts, params)
         tp_size = engine.cfg.parallel.tp_size
     if args.json:

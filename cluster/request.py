@@ -18,6 +18,10 @@ class QueueFullError(RequestError):
     retry_after_s = 1
 
 
+MAX_N = 16  # samples per request
+MAX_STOP, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
+
+
 @dataclass(frozen=True)
 class RequestParams:
     max_tokens: int = 16
@@ -38,8 +42,10 @@ class RequestParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k!r}")
-        if not 1 <= self.n <= 16:
-            raise RequestError(f"n must be in 1..16, got {self.n!r}")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be in 1..{MAX_N}, got {self.n!r}")
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
 
 
 class Status(enum.Enum):

@@ -194,14 +194,32 @@ class APIError(Exception):
         return JSONResponse(error_body(self.message, self.kind, self.param, self.code), status_code=self.status)
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (declared or streamed) before it is all read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit} (serve.max_request_bytes)",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes (serve.max_request_bytes)",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    raw = await read_body(request, limit)
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except ValueError as e:  # e.g. an integer literal past Python's 4300-digit conversion limit
+        raise APIError(400, f"request body is not acceptable JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, not {type(data).__name__}")
     try:
@@ -326,7 +344,7 @@ class OpenAIServer:
 
 def build_routes(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="adaspec", docs_url=None, redoc_url=None, openapi_url=None)
-    key = server.cfg.serve.api_key
+    key, limit = server.cfg.serve.api_key, server.cfg.serve.max_request_bytes
 
     @app.middleware("http")
     async def authorize_and_count(request: Request, call_next):
@@ -347,14 +365,14 @@ def build_routes(server: OpenAIServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionBody)
+        body = await parse_body(request, CompletionBody, limit)
         server.check_model(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         return await server.respond("text", body, completion_prompt(body), max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatBody)
+        body = await parse_body(request, ChatBody, limit)
         server.check_model(body)
         ids = await server.encode_chat(chat_prompt(server.engine.tokenizer, body))
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens

@@ -191,6 +191,10 @@ BAD_REQUESTS = [
     ("prompt of the wrong type", "/v1/completions", {"prompt": 5}, "prompt", "prompt"),
     ("message without a role", "/v1/chat/completions", {"messages": [{"content": "Hi"}]}, "messages", "role"),
     ("empty stop string", "/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop", "stop"),
+    ("too many stop strings", "/v1/completions", {"prompt": "Hi", "stop": ["a"] * 17}, "stop", "at most 16"),
+    ("n too large", "/v1/completions", {"prompt": "Hi", "n": 17}, "n", "n must be"),
+    ("integer of 5000 digits", "/v1/completions", b'{"prompt": "Hi", "seed": ' + b"9" * 5000 + b"}", None,
+     "not acceptable JSON"),
 ]
 
 
@@ -202,6 +206,20 @@ def test_bad_requests_are_400(base_url, name, path, body, param, says):
     error = answer["error"]
     assert error["type"] == "invalid_request_error" and says in error["message"], error
     assert error["param"] == param
+
+
+def test_oversized_body_is_413(base_url):
+    """Past serve.max_request_bytes (1 MiB here), declared by Content-Length or streamed in
+    chunks without one, the body is refused before it is all read."""
+    big = json.dumps({"prompt": "x" * (1 << 20)}).encode()
+    status, answer = http(base_url, "/v1/completions", big)
+    assert status == 413 and "max_request_bytes" in answer["error"]["message"], answer
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    chunks = (big[i:i + 65536] for i in range(0, len(big), 65536))  # urllib sends an iterator chunked
+    req = urllib.request.Request(base_url + "/v1/completions", data=chunks, headers=headers, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=120)
+    assert e.value.code == 413 and "max_request_bytes" in e.value.read().decode()
 
 
 def test_bad_request_through_the_client(client):
