@@ -30,12 +30,13 @@ class EngineSnapshot:
     accepted: int
     accepted_per_position: list[int]
     verified_per_position: list[int]
+    recoveries: int
 
 
 def snapshot(engine) -> EngineSnapshot:
     s = engine.stats
     return EngineSnapshot(len(engine.scheduler.waiting), len(engine.scheduler.running), s.drafted, s.verified,
-                          s.accepted, list(s.accepted_per_position), list(s.verified_per_position))
+                          s.accepted, list(s.accepted_per_position), list(s.verified_per_position), s.recoveries)
 
 
 class ServerMetrics:
@@ -101,6 +102,8 @@ class _EngineCollector:
                                  ("verified", "Draft tokens sent to target validation", snap.verified),
                                  ("accepted", "Draft tokens the target accepted", snap.accepted)):
             yield CounterMetricFamily(f"adaspec_spec_{name}_tokens", doc, value=value)
+        yield CounterMetricFamily("adaspec_worker_recoveries", "Worker groups rebuilt after a rank died",
+                                  value=snap.recoveries)
         mal = self.metrics.mean_acceptance_length()
         if mal is not None:
             yield _gauge("adaspec_mean_acceptance_length", "Tokens emitted per decode step (1 + accepted drafts)",

@@ -42,6 +42,7 @@ class SpecPolicy:
         self.cfg = cfg
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
+        self.in_use = 0  # the newest version a plan has named
         self._lock = threading.Lock()
         self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
         self.probes = 0
@@ -54,15 +55,24 @@ class SpecPolicy:
         # Installs may arrive on another thread than steps (Ray Compiled Graph): lock.
         with self._lock:
             self.models[model.version] = model
-            for old in sorted(self.models)[:-4]:  # keep a few: plans may still name the previous one
-                del self.models[old]
+            self._evict()
         return model.version
 
     def model(self, version: int) -> TimeModel:
+        """The model a plan names. Plans name non-decreasing versions, so older ones go."""
         with self._lock:
             if version not in self.models:
-                raise KeyError(f"time model version {version} was never installed on this rank")
+                raise KeyError(f"time model version {version} is not on this rank (never installed, or older "
+                               f"than v{self.in_use}, which plans already use)")
+            self.in_use = max(self.in_use, version)
+            self._evict()
             return self.models[version]
+
+    def _evict(self) -> None:
+        """Drop versions older than the one plans use now; never that one or newer ones
+        (the Engine may still be on it however many refits arrive before it moves)."""
+        for old in [v for v in self.models if v < self.in_use]:
+            del self.models[old]
 
     def latest(self) -> TimeModel:
         with self._lock:

@@ -370,3 +370,42 @@ def test_fuzzed_requests_never_500(base_url):
         assert status < 500, (path, payload[:200], status)
 
     check()
+
+
+def test_worker_death_mid_stream_is_survived(base_url, client):
+    """Last in this module, since it kills the server's TP worker: SIGKILL the rank's
+    process while three streams are in flight. The Engine rebuilds the worker group and
+    recomputes the requests; every stream still ends with exactly its undisturbed text."""
+    import os
+    import signal
+    import subprocess
+
+    tokens, prompts = 160, PROMPTS[:3]
+    kw = dict(model=MODEL, max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
+    reference = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    started = [threading.Event() for _ in prompts]
+    results: dict[int, tuple[str, str, bool]] = {}
+
+    def stream(i: int) -> None:
+        pieces, reason = [], None
+        for chunk in client.completions.create(prompt=prompts[i], stream=True, **kw):
+            pieces.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+            started[i].set()
+        results[i] = "".join(pieces), reason
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(120) for e in started)
+    pids = subprocess.run(["pgrep", "-f", "^ray::TPWorker"], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids  # this server's one rank
+    in_flight = len(results) < len(prompts)
+    os.kill(int(pids[0]), signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert in_flight, "the streams ended before the kill; make them longer"
+    assert [results[i] for i in range(len(prompts))] == [(text, "length") for text in reference]
+    _, metrics = http(base_url, "/metrics")
+    assert "adaspec_worker_recoveries_total 1.0" in metrics
+    assert client.completions.create(prompt=prompts[0], **kw).choices[0].text == reference[0]  # still serving

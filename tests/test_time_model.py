@@ -48,3 +48,23 @@ def test_registry_refits_on_schedule_and_on_drift():
     assert reg.add(_samples(rng, 1)).version == 3  # the 50th sample
     slow = _samples(rng, RECENT, b=(20.0, 0.5, 1e-3))  # the machine got 10x slower: refit before 50
     assert reg.add(slow).version == 4
+
+
+def test_worker_keeps_the_version_plans_use_however_many_refits_arrive():
+    """Refits may reach a rank faster than the Engine moves its plans (a slow poll, a
+    rebuilt worker group): the version plans name is never dropped; older ones are."""
+    import pytest
+
+    from controller.config import SpeculativeConfig
+    from controller.policy import SpecPolicy
+
+    policy = SpecPolicy(SpeculativeConfig())
+    policy.install(TimeModel(version=1))
+    assert policy.model(1).version == 1
+    for v in range(2, 12):
+        policy.install(TimeModel(version=v))
+    assert policy.model(1).version == 1  # still planned with
+    assert policy.model(7).version == 7
+    with pytest.raises(KeyError, match="version 1 is not on this rank"):
+        policy.model(1)  # plans moved on: the old ones are gone
+    assert sorted(policy.models) == list(range(7, 12))
