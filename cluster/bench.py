@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.speculative.num_speculative_tokens < max(cfg.bench.ks):
         raise ValueError(f"speculative.num_speculative_tokens={cfg.speculative.num_speculative_tokens} is below "
                          f"max(bench.ks)={max(cfg.bench.ks)}")
-    started = ensure_ray(cfg)
+    started = False if cfg.parallel.in_process else ensure_ray(cfg)  # a TP=1 in-process run needs no Ray
     try:
         result = run_bench(cfg, Path(args.out))
     finally:

@@ -25,12 +25,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 @contextlib.contextmanager
 def open_engine(args: argparse.Namespace, cfg: Config | None = None) -> Iterator["Engine"]:  # noqa: F821
-    """An Engine on the configured Ray; Ray is shut down again if this started it."""
+    """An Engine (on the configured Ray, unless its one rank runs here); Ray is shut down again if
+    this started it."""
     from cluster.engine import Engine
     from cluster.ray_env import ensure_ray
 
     cfg = cfg or config_from_args(args)
-    started = ensure_ray(cfg)
+    started = False if cfg.parallel.in_process else ensure_ray(cfg)  # a TP=1 in-process run needs no Ray
     engine = None
     try:
         engine = Engine(cfg)

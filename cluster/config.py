@@ -14,7 +14,7 @@ import yaml
 
 from controller.config import ESTIMATORS, METHODS, SpeculativeConfig
 from models.config import ModelConfig
-from workers.config import DEVICES, PLACEMENTS, CacheConfig, ParallelConfig
+from workers.config import DEVICES, EXECUTORS, PLACEMENTS, CacheConfig, ParallelConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MAX_SPECULATIVE_TOKENS = 16
@@ -81,7 +81,7 @@ class Config:
 
 CHOICES = {
     "speculative.method": METHODS, "speculative.adaptive.estimator": ESTIMATORS, "parallel.device": DEVICES,
-    "parallel.placement_strategy": PLACEMENTS, "model.dtype": DTYPE_NAMES,
+    "parallel.placement_strategy": PLACEMENTS, "parallel.executor": EXECUTORS, "model.dtype": DTYPE_NAMES,
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
             "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes")
@@ -175,6 +175,9 @@ def validate(cfg: Config) -> None:
     for key in POSITIVE:
         if _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 1")
+    if cfg.parallel.executor == "local" and cfg.parallel.tp_size != 1:
+        raise ConfigError(f"parallel.executor=local runs one rank in the driver; parallel.tp_size="
+                          f"{cfg.parallel.tp_size} needs parallel.executor=ray (or auto)")
     k = cfg.speculative.num_speculative_tokens
     if cfg.speculative.enabled and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"speculative.num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")

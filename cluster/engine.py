@@ -290,8 +290,12 @@ def load_tokenizer(path: str):
 
 
 def make_worker_group(cfg: Config):
+    """The ranks: Ray actors in a placement group, or (parallel.executor, TP=1) this process."""
+    from cluster.worker_group import LocalWorkerGroup, RayWorkerGroup
+
+    if cfg.parallel.in_process:
+        return LocalWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache)
     from cluster.ray_env import ensure_ray
-    from cluster.worker_group import RayWorkerGroup
 
     ensure_ray(cfg)
     return RayWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache)

@@ -48,9 +48,12 @@ def print_cluster(serving: Serving) -> None:
     cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in alive)
     print(f"adaspec: Ray cluster with {len(alive)} node(s), {cpus:g} CPUs"
           + (f" at {serving.cfg.cluster.address}" if serving.cfg.cluster.address else " (started here)"))
-    layout = rank_layout(p.tp_size)
-    hosts = ", ".join(f"rank {r}@{h}" for r, h in enumerate(layout)) or "layout unavailable"
-    print(f"  TP={p.tp_size} ranks, placement {p.placement_strategy}: {hosts}")
+    if p.in_process:
+        print(f"  TP=1: the rank runs in the serving replica's process (parallel.executor={p.executor})")
+    else:
+        layout = rank_layout(p.tp_size)
+        hosts = ", ".join(f"rank {r}@{h}" for r, h in enumerate(layout)) or "layout unavailable"
+        print(f"  TP={p.tp_size} ranks, placement {p.placement_strategy}: {hosts}")
     dashboard = dashboard_url()
     if dashboard:
         print(f"  Ray dashboard: http://{dashboard}   (ray job submit --address http://{dashboard} ...)")

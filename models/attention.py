@@ -7,8 +7,9 @@ needs no cache bookkeeping at all.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,29 +26,35 @@ class AttnBatch:
     ctx_slots: torch.Tensor  # (n, C) cache slots of positions 0..C-1 of each sequence
     mask: torch.Tensor  # (n, 1, Q, C) True where the query may attend to the key
     last_index: torch.Tensor  # (n,) index into T of each sequence's last token
+    uniform: bool = False  # every sequence has Q queries: T = n * Q, packed order is (n, Q)
+    memo: dict = field(default_factory=dict)  # per-forward values layers share (rotary cos/sin)
 
     @staticmethod
     def build(starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu") -> "AttnBatch":
-        """Sequence i contributes tokens at positions starts[i] .. starts[i] + lengths[i] - 1."""
+        """Sequence i contributes tokens at positions starts[i] .. starts[i] + lengths[i] - 1.
+        Index arithmetic runs in numpy (a few microseconds, where small torch ops cost more)."""
         n = len(starts)
-        lens = torch.tensor(lengths, dtype=torch.long)
-        start = torch.tensor(starts, dtype=torch.long)
-        q_seq = torch.repeat_interleave(torch.arange(n), lens)
-        first = torch.cumsum(lens, 0) - lens
-        q_col = torch.arange(int(lens.sum())) - first[q_seq]
+        lens = np.asarray(lengths, dtype=np.int64)
+        start = np.asarray(starts, dtype=np.int64)
+        q_seq = np.repeat(np.arange(n), lens)
+        first = np.cumsum(lens) - lens
+        q_col = np.arange(int(lens.sum())) - first[q_seq]
         positions = start[q_seq] + q_col
         width = max(len(b) for b in block_tables)
-        tables = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.long)  # (n, nb)
+        tables = np.zeros((n, width), dtype=np.int64)
+        for i, b in enumerate(block_tables):
+            tables[i, :len(b)] = b
         slots = tables[q_seq, positions // block_size] * block_size + positions % block_size
         ctx = int((start + lens).max())
-        key_pos = torch.arange(ctx)
-        ctx_slots = tables[:, (key_pos // block_size).clamp(max=width - 1)] * block_size + key_pos % block_size
-        q_pos = torch.zeros(n, int(lens.max()), dtype=torch.long)  # padded queries see key 0 only
+        key_pos = np.arange(ctx)
+        ctx_slots = tables[:, np.minimum(key_pos // block_size, width - 1)] * block_size + key_pos % block_size
+        q_pos = np.zeros((n, int(lens.max())), dtype=np.int64)  # padded queries see key 0 only
         q_pos[q_seq, q_col] = positions
-        mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)
+        mask = (key_pos.reshape(1, 1, -1) <= q_pos[:, :, None])[:, None]
         fields = (positions, slots, q_seq, q_col, ctx_slots, mask, first + lens - 1)
-        return AttnBatch(*(t.to(device) for t in fields))
+        return AttnBatch(*(torch.from_numpy(np.ascontiguousarray(t)).to(device) for t in fields),
+                         uniform=bool((lens == lens[0]).all()))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
@@ -57,10 +64,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tu
     cache_k[batch.slots] = k
     cache_v[batch.slots] = v
     n, queries = batch.mask.shape[0], batch.mask.shape[2]
-    qp = q.new_zeros(n, queries, q.shape[1], q.shape[2])
-    qp[batch.q_seq, batch.q_col] = q
+    if batch.uniform:  # no padding: the packed tokens already are (n, Q)
+        qp = q.reshape(n, queries, q.shape[1], q.shape[2])
+    else:
+        qp = q.new_zeros(n, queries, q.shape[1], q.shape[2])
+        qp[batch.q_seq, batch.q_col] = q
     keys = cache_k[batch.ctx_slots].transpose(1, 2)  # (n, nkv, C, hd)
     values = cache_v[batch.ctx_slots].transpose(1, 2)
     out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=batch.mask, scale=scale,
                                          enable_gqa=True)  # (n, nh, Q, hd)
+    if batch.uniform:
+        return out.transpose(1, 2).reshape(q.shape)
     return out.transpose(1, 2)[batch.q_seq, batch.q_col]

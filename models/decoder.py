@@ -34,9 +34,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache) -> torch.Tensor:
         # x: (T, H)
-        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q, k = self.rotary(batch.positions, q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd))
-        out = paged_attention(q, k, v.view(-1, self.nkv, self.hd), cache, batch, self.scale)  # (T, nh, hd)
+        qkv = self.qkv_proj(x).view(-1, self.nh + 2 * self.nkv, self.hd)
+        qk = self.rotary(batch.positions, qkv[:, :self.nh + self.nkv], batch.memo)
+        q, k, v = qk[:, :self.nh], qk[:, self.nh:], qkv[:, self.nh + self.nkv:]
+        out = paged_attention(q, k, v, cache, batch, self.scale)  # (T, nh, hd)
         return self.o_proj(out.flatten(1))
 
 

@@ -1,6 +1,7 @@
 """Normalisation and rotary position embedding (default and llama3 scaling)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,8 +18,11 @@ class RMSNorm(nn.Module):
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
+        # normalise in float32, then scale in the weights' dtype (as transformers does)
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -35,6 +39,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(mid, blended, out)
 
 
+@functools.lru_cache(maxsize=8)
+def _tables(max_positions: int, inv_freq: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), torch.tensor(inv_freq, dtype=torch.float64))
+    return freqs.cos().float(), freqs.sin().float()
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (halves), indexed by absolute position per token."""
 
@@ -46,16 +56,19 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type not in ("default", None):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # (P, hd/2)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        cos, sin = _tables(max_positions, tuple(inv_freq.tolist()))
+        self.register_buffer("cos", cos, persistent=False)  # (P, hd/2), one tensor shared by every layer
+        self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (T, nh, hd), k: (T, nkv, hd), positions: (T,)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
+        """qk: (T, heads, hd), query and key heads side by side, rotated in one pass;
+        positions: (T,). `memo` (one per forward) shares the gathered cos/sin between layers."""
+        key = ("rope", self.cos.data_ptr())
+        cached = memo.get(key) if memo is not None else None
+        if cached is None:
+            cached = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (T, 1, hd/2)
+            if memo is not None:
+                memo[key] = cached
+        cos, sin = cached
+        x1, x2 = qk.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(qk.dtype)

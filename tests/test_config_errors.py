@@ -18,6 +18,8 @@ from tests.conftest import local_engine, tiny_config
     ("speculative.adaptive.estimator=magic", "speculative.adaptive.estimator='magic'"),
     ("cache=[1, 2]", "cache: expected a mapping"),
     ("cache.kv_tokens=16", "cache.kv_tokens=16 is smaller than model.max_model_len"),
+    ("parallel.executor=local", "parallel.executor=local runs one rank in the driver; parallel.tp_size=2"),
+    ("parallel.executor=mpi", "parallel.executor='mpi' is not one of: auto, ray, local"),
 ])
 def test_bad_override_names_the_key(override, words):
     with pytest.raises(ConfigError) as e:

@@ -153,7 +153,7 @@ def test_launch_serves_and_stops_on_sigint():
     port, temp = free_port(), tempfile.mkdtemp(prefix="adaspec-launch-", dir="/tmp")
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "launch", "yamls/tiny.yaml", "--set",
-                                 "parallel.tp_size=1", "--set", f"cluster.temp_dir={temp}", "--port", str(port)],
+                                 "parallel.tp_size=1", "--set", "parallel.executor=ray", "--set", f"cluster.temp_dir={temp}", "--port", str(port)],
                                 stdout=subprocess.PIPE, stderr=errors, text=True, env=env(), cwd=ROOT)
         try:
             lines = read_until(proc, "Ctrl-C", timeout=300)

@@ -22,7 +22,7 @@ PROMPTS = ["How do I bake bread?", "Write a poem about the sea", "What is Ray?",
            "Explain tensor parallelism.", "Hi", "List three fruits.", "Why is the sky blue?"]
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "How do I bake bread?"}]
 # The validate-time model starts untrained and refits online, so /metrics has a MAPE to show.
-SERVER_SETTINGS = ("parallel.tp_size=1", "speculative.adaptive.enabled=true",
+SERVER_SETTINGS = ("parallel.tp_size=1", "parallel.executor=ray", "speculative.adaptive.enabled=true",
                    "speculative.adaptive.profile_on_start=false", "speculative.adaptive.refit_every=16",
                    f"serve.api_key={API_KEY}")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 DEVICES = ("cpu", "cuda", "npu")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+EXECUTORS = ("auto", "ray", "local")
 
 
 @dataclass
@@ -15,13 +16,19 @@ class ParallelConfig:
     placement_strategy: str = "STRICT_PACK"  # Ray placement group strategy for the TP ranks
     num_cpus_per_worker: float = 1.0  # Ray CPUs reserved per rank (0 lets many ranks share few cores)
     threads_per_worker: int = 0  # torch threads per rank; 0 = (cores - 1) / tp_size, at least 1
+    compiled_dag: bool = True  # dispatch steps through a Ray Compiled Graph (else one .remote per rank)
+    executor: str = "auto"  # one of EXECUTORS: where the ranks run (auto: in the driver at tp_size 1, else Ray)
 
     def threads(self) -> int:
         """A core is left to the driver, which polls the ranks' results while they compute."""
         import os
 
         return self.threads_per_worker or max(1, ((os.cpu_count() or 1) - 1) // self.tp_size)
-    compiled_dag: bool = True  # dispatch steps through a Ray Compiled Graph (else one .remote per rank)
+
+    @property
+    def in_process(self) -> bool:
+        """One rank in the driver process: no actor, no dispatch; a rank's death is the driver's."""
+        return self.executor == "local" or (self.executor == "auto" and self.tp_size == 1)
 
     @property
     def backend(self) -> str:
