@@ -37,7 +37,7 @@ def hf_arms(cfg, prompts: list[list[int]], refs: list[list[int]], several: bool)
 
     from cluster.bench import Arm, arm_name
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(cfg.parallel.threads())  # the same cores as the engine's rank
     output_len = cfg.bench.output_len
     target = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(cfg.model.draft, dtype=torch.float32).eval()

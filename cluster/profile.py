@@ -30,12 +30,15 @@ GRID_CTX = (64, 384)
 RUNS = 5
 
 
+CACHE_FORMAT = 2  # bump when the step's cost changes (engine code) or the sweep's shape does
+
+
 def profile_key(cfg: Config) -> str:
     """(model, TP size, device, dtype): the weights file's size and mtime stand for the model."""
     target = Path(cfg.model.target).resolve()
     stamp = [(str(p), p.stat().st_size, int(p.stat().st_mtime)) for p in sorted(target.glob("*.safetensors"))]
     proposer = cfg.model.mtp if cfg.speculative.method == "mtp" else cfg.model.draft
-    raw = json.dumps([str(target), stamp, str(Path(proposer).resolve()), cfg.speculative.method,
+    raw = json.dumps([CACHE_FORMAT, str(target), stamp, str(Path(proposer).resolve()), cfg.speculative.method,
                       cfg.parallel.tp_size, cfg.parallel.device, cfg.model.dtype])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
@@ -73,7 +76,7 @@ def load_or_profile(workers, cfg: Config, progress: bool = True) -> tuple[TimeMo
     if path.is_file():
         data = json.loads(path.read_text())
         samples = [StepSample(**s) for s in data["samples"]]
-        return TimeModel(**data["model"]), samples
+        return fit_samples(samples)[1].model, samples  # refit: the model's form may be newer than the file
     samples = sweep(workers, cfg, progress)
     _, report = fit_samples(samples)
     log.warning("time model fit: MAE %.3f ms, MAPE %.1f%% over %d points", report.mae_ms, 100 * report.mape,

@@ -31,18 +31,22 @@ def _save_hf(kind: str, path) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+TAILS = (1, 3, 5)  # tokens of each sequence left for the second forward
+
+
 def _ours(tp, path, seqs):
-    """Prefill all but the last 3 tokens of each sequence, then the rest in one ragged
-    forward that also carries decode-sized chunks: exercises the KV cache."""
+    """Prefill all but the last 1, 3 and 5 tokens (a long ragged batch: padded attention),
+    then the rest in one forward shaped like a verification (short ragged queries:
+    attention per query length). Exercises the KV cache and both attention paths."""
     torch.manual_seed(0)
     model = load_causal_lm(path, tp)
     caches = model.new_kv_cache(64 * BLOCK)
     tables = [[4 * i + j for j in range(4)] for i in range(len(seqs))]
     out = [None] * len(seqs)
     with torch.no_grad():
-        for lo, hi in ((lambda s: 0, lambda s: len(s) - 3), (lambda s: len(s) - 3, lambda s: len(s))):
-            starts = [lo(s) for s in seqs]
-            lens = [hi(s) - lo(s) for s in seqs]
+        for phase in (0, 1):
+            starts = [0 if phase == 0 else len(s) - t for s, t in zip(seqs, TAILS)]
+            lens = [len(s) - t if phase == 0 else t for s, t in zip(seqs, TAILS)]
             batch = AttnBatch.build(starts, lens, tables, BLOCK)
             ids = torch.tensor([t for s, a, b in zip(seqs, starts, lens) for t in s[a:a + b]])
             logits = model.logits(model(ids, batch, caches))

@@ -15,15 +15,17 @@ class ParallelConfig:
     device: str = "cpu"  # one of DEVICES; picks the collective backend
     placement_strategy: str = "STRICT_PACK"  # Ray placement group strategy for the TP ranks
     num_cpus_per_worker: float = 1.0  # Ray CPUs reserved per rank (0 lets many ranks share few cores)
-    threads_per_worker: int = 0  # torch threads per rank; 0 = (cores - 1) / tp_size, at least 1
+    threads_per_worker: int = 0  # torch threads per rank; 0 = see threads()
     compiled_dag: bool = True  # dispatch steps through a Ray Compiled Graph (else one .remote per rank)
     executor: str = "auto"  # one of EXECUTORS: where the ranks run (auto: in the driver at tp_size 1, else Ray)
 
     def threads(self) -> int:
-        """A core is left to the driver, which polls the ranks' results while they compute."""
+        """Ray ranks leave a core to the driver, which polls their results while they
+        compute; an in-process rank is the driver and takes every core."""
         import os
 
-        return self.threads_per_worker or max(1, ((os.cpu_count() or 1) - 1) // self.tp_size)
+        cores = os.cpu_count() or 1
+        return self.threads_per_worker or (cores if self.in_process else max(1, (cores - 1) // self.tp_size))
 
     @property
     def in_process(self) -> bool:
