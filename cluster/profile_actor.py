@@ -27,7 +27,12 @@ class ProfileActor:
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: list):
         # After a restart, continue from the newest version the workers hold: a version
         # number is never reused for different coefficients.
-        held = ray.get([w.current_time_model.remote() for w in workers])
+        held = []
+        for w in workers:
+            try:
+                held.append(ray.get(w.current_time_model.remote(), timeout=60))
+            except ray.exceptions.RayError:  # a dead rank: the Engine is rebuilding the group
+                pass
         initial = max(held + [initial], key=lambda m: m.version)
         self.registry = ProfileRegistry(refit_every, initial)
         self.registry.sweep = list(sweep)
