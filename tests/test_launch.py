@@ -153,15 +153,20 @@ def test_launch_serves_and_stops_on_sigint():
     port, temp = free_port(), tempfile.mkdtemp(prefix="adaspec-launch-", dir="/tmp")
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "launch", "yamls/tiny.yaml", "--set",
-                                 "parallel.tp_size=1", "--set", "parallel.executor=ray", "--set", f"cluster.temp_dir={temp}", "--port", str(port)],
+                                 "parallel.tp_size=1", "--set", f"cluster.temp_dir={temp}", "--port", str(port)],
                                 stdout=subprocess.PIPE, stderr=errors, text=True, env=env(), cwd=ROOT)
         try:
             lines = read_until(proc, "Ctrl-C", timeout=300)
-            layout = [line for line in lines if "TP=1 ranks, placement STRICT_PACK: rank 0@" in line]
-            assert layout and "@?" not in layout[0], lines
+            # TP=1 with the default executor: the rank runs inside the serving replica
+            assert any("TP=1: the rank runs in the serving replica's process" in line for line in lines), lines
             assert any(f"http://127.0.0.1:{port}/v1/completions" in line for line in lines), lines
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as r:
                 assert json.load(r)["data"][0]["id"] == "adaspec-tiny"
+            body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert json.load(r)["usage"]["completion_tokens"] == 4
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=120) == 0
         except BaseException:
