@@ -17,7 +17,7 @@ DEFAULTS = ("constant", 20, 0.4)  # transformers' defaults for an assistant mode
 
 
 def _generate(model, prompt: list[int], output_len: int, **kwargs) -> tuple[list[int], float]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     t0 = time.perf_counter()
     # eos_token_id=None: keep going past EOS without suppressing it, like ignore_eos
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
@@ -39,8 +39,9 @@ def hf_arms(cfg, prompts: list[list[int]], refs: list[list[int]], several: bool)
 
     torch.set_num_threads(cfg.parallel.threads())  # the same cores as the engine's rank
     output_len = cfg.bench.output_len
-    target = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(cfg.model.draft, dtype=torch.float32).eval()
+    device = "cuda" if cfg.parallel.device == "cuda" else "cpu"  # the engine's device, as the engine's rank
+    target = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=torch.float32).to(device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(cfg.model.draft, dtype=torch.float32).to(device).eval()
     with torch.inference_mode():
         best, best_t = DEFAULTS, float("inf")
         grid = itertools.product(SCHEDULES, NUM_ASSISTANT_TOKENS, THRESHOLDS) if cfg.bench.hf_tune else []

@@ -272,7 +272,10 @@ MAX_RECOVERIES = 3  # consecutive rebuilds without a completed step before givin
 
 def _is_worker_failure(error: Exception) -> bool:
     """A rank (or its channel) is gone, as opposed to a bug that would fail again."""
-    import ray.exceptions as rex
+    try:
+        import ray.exceptions as rex
+    except ImportError:  # no Ray: an in-process rank, whose errors are the driver's own
+        return False
 
     dead = (rex.RayActorError, rex.ActorUnavailableError, rex.WorkerCrashedError, rex.NodeDiedError)
     channel = tuple(getattr(rex, n) for n in ("RayChannelError", "RayChannelTimeoutError") if hasattr(rex, n))

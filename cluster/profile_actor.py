@@ -13,7 +13,10 @@ import dataclasses
 import logging
 import time
 
-import ray
+try:
+    import ray
+except ImportError:  # an in-process engine (TP=1) needs only LocalProfileLink, and runs without Ray
+    ray = None
 
 from controller.registry import ProfileRegistry, StepSample
 from controller.time_model import TimeModel
