@@ -158,16 +158,20 @@ def run_bench(cfg, out_dir: Path) -> dict:
         engine.shutdown()
     result = {"config": cfg.to_dict(), "outputs_identical": all(a.identical for a in arms),
               "time_model": time_model, "arms": [a.summary() for a in arms],
-              "machine": machine_note()}
+              "machine": machine_note(cfg.parallel.device)}
     write_outputs(result, out_dir)
     return result
 
 
-def machine_note() -> str:
+def machine_note(device: str) -> str:
     import os
     import platform
 
-    return f"{platform.machine()} {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, torch CPU"
+    import torch
+
+    where = torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else device
+    return (f"{platform.machine()} {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+            f"torch {torch.__version__} on {where}")
 
 
 def write_outputs(result: dict, out_dir: Path) -> None:
