@@ -27,7 +27,6 @@ from cluster.engine import Engine
 from cluster.request import RequestParams
 
 
-
 @dataclass
 class Arm:
     name: str

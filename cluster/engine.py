@@ -37,7 +37,6 @@ class EngineStats:
     prefill_tokens: int = 0  # target tokens computed by prefill steps (prompts, recomputes)
     draft_ms: float = 0.0
     validate_ms: float = 0.0
-    predicted_validate_ms: float = 0.0  # what the time models in force predicted for those validations
     step_ms: float = 0.0
     dispatch_ms: float = 0.0
     draft_steps_run: int = 0  # draft forwards, summed over decode steps
@@ -54,7 +53,6 @@ class EngineStats:
         self.zero_budget_steps += decode and s.draft_steps == 0
         self.draft_ms += s.draft_ms
         self.validate_ms += s.validate_ms
-        self.predicted_validate_ms += s.predicted_validate_ms
         self.step_ms += s.step_ms
         self.dispatch_ms += dispatch_ms
         for mine, new in ((self.accepted_per_position, s.accepted_per_position),

@@ -1,7 +1,6 @@
-"""The TP ranks as one group: Ray actors in a placement group (or, for TP=1 tests and
-debugging, one in-process worker). `step` sends the same plan to every rank."""
+"""The TP ranks as one group: Ray actors in a placement group, or (TP=1, the default
+executor) one worker in the driver process. `step` sends the same plan to every rank."""
 from __future__ import annotations
-
 
 from workers.plan import StepPlan, StepResult
 from workers.worker import TPWorker

@@ -64,8 +64,9 @@ class SpecPolicy:
             if version not in self.models:
                 raise KeyError(f"time model version {version} is not on this rank (never installed, or older "
                                f"than v{self.in_use}, which plans already use)")
-            self.in_use = max(self.in_use, version)
-            self._evict()
+            if version > self.in_use:
+                self.in_use = version
+                self._evict()
             return self.models[version]
 
     def _evict(self) -> None:

@@ -2,6 +2,8 @@
 verified, at any TP size and in any batch; `n` samples prefill their prompt once."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cluster.engine import Engine
@@ -48,7 +50,7 @@ def test_seed_gives_the_same_text_alone_in_a_batch_and_at_tp2(ray_session, share
     try:
         alone = _texts(engine, [prompt], [SAMPLED])[0]
         batched = _texts(engine, [prompt] + others, [SAMPLED] + batch_params)[0]
-        other_seed = _texts(engine, [prompt], [RequestParams(**{**SAMPLED.__dict__, "seed": 8})])[0]
+        other_seed = _texts(engine, [prompt], [dataclasses.replace(SAMPLED, seed=8)])[0]
     finally:
         engine.shutdown()
     tp2 = Engine(tiny_config("parallel.tp_size=2", *cfg))
@@ -62,7 +64,7 @@ def test_seed_gives_the_same_text_alone_in_a_batch_and_at_tp2(ray_session, share
 
 def test_n_samples_prefill_the_prompt_once(sharegpt_prompts, reference):
     prompts = [sharegpt_prompts[2][:32], sharegpt_prompts[3]]  # 32 tokens fills two blocks; 23 leaves one partial
-    params = RequestParams(**{**SAMPLED.__dict__, "n": 4})
+    params = dataclasses.replace(SAMPLED, n=4)
     forked = local_engine(tiny_config("parallel.tp_size=1"))
     try:
         got = _texts(forked, prompts, [params, params])

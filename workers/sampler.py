@@ -3,10 +3,12 @@
 Vocabulary (as vLLM's rejection sampler):
   draft tokens    d_1..d_L proposed by the proposer and kept for validation
   accepted tokens the longest prefix of drafts the target agrees with
-  bonus token     one more token from the target after the accepted prefix (the target's
-                  own choice at the first rejection, or after all L were accepted)
+  bonus token     one more token after the accepted prefix: the target's own choice at the
+                  first rejection; after all L were accepted, the next unverified draft's
+                  accept/residual test where one was drafted, else a sample from the target
 The greedy path is apart from the random one. Every random draw comes from a generator
-seeded by (request seed, position), so every rank draws the same numbers.
+seeded by (request seed and sample index, position, stream), so every rank draws the same
+numbers.
 """
 from __future__ import annotations
 
