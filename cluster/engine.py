@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from cluster.config import Config
 from cluster.request import QueueFullError, RequestError, RequestOutput, RequestParams, Sequence, Status
 from cluster.scheduler import Scheduler
+from cluster.trace import TraceWriter
 from controller.policy import MODES
 from controller.registry import StepSample
 from controller.time_model import TimeModel
@@ -42,6 +43,8 @@ class EngineStats:
     draft_steps_run: int = 0  # draft forwards, summed over decode steps
     zero_budget_steps: int = 0  # decode steps that drafted nothing
     recoveries: int = 0  # worker groups rebuilt after a rank died
+    decode_seq_ms: float = 0.0  # sum over decode steps of (sequences in the step) x (step wall time)
+    decode_tokens: int = 0  # tokens emitted by decode steps; decode-only TPOT = decode_seq_ms / decode_tokens
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
 
@@ -83,6 +86,7 @@ class Engine:
         self._failures = 0  # consecutive worker-group recoveries without a completed step
         self._ids = itertools.count()
         self._requests = itertools.count()
+        self.tracer = TraceWriter(cfg.engine.trace_path, cfg.engine.trace_label) if cfg.engine.trace_path else None
 
     def _start_profile(self):
         """Time model v1 from the startup sweep (or its cache), installed on every rank,
@@ -148,6 +152,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
@@ -155,6 +160,7 @@ class Engine:
         if self.profile is not None:
             self.time_model_version = self.profile.poll(plan.step)
         plan.time_model_version, plan.mode = self.time_model_version, self.mode
+        plan.trace = plan.decode and self.tracer is not None
         t0 = time.perf_counter()
         try:
             results = self.workers.step(plan)
@@ -189,6 +195,12 @@ class Engine:
             self.stats.verified += out.verified
             self.stats.accepted += out.accepted
             updates.append(self._append(seq, out.new_tokens))
+        if plan.decode:
+            step_ms = (time.perf_counter() - start) * 1e3
+            self.stats.decode_seq_ms += len(updates) * step_ms
+            self.stats.decode_tokens += sum(len(u.new_token_ids) for u in updates)
+            if plan.trace:
+                self.tracer.write(plan, st, step_ms)
         return updates
 
     def _recover(self, error: Exception) -> None:
@@ -262,6 +274,8 @@ class Engine:
         return [[final[(rid, i)] for i in range(params.n)] for rid in rids]
 
     def shutdown(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
         self.workers.shutdown()
 
 

@@ -50,6 +50,7 @@ class StepPlan:
     free: list[int] = field(default_factory=list)  # sequence ids to forget before the step
     time_model_version: int = 0
     mode: str = "static"  # speculation mode: static | adaptive | oracle (controller.policy.MODES)
+    trace: bool = False  # decode step: rank 0 returns a StepTrace (the step-trace file's detail)
 
 
 @dataclass
@@ -59,6 +60,21 @@ class SeqOutput:
     drafted: int = 0  # draft tokens proposed
     verified: int = 0  # draft tokens sent to validation
     accepted: int = 0  # draft tokens accepted
+
+
+@dataclass
+class StepTrace:
+    """What a decode step saw and decided, per sequence (n) and draft position (m): the
+    detail of one line of a step trace (cluster/trace.py)."""
+
+    kv: list[int]  # (n,) context length of each sequence before the step
+    num_spec: list[int]  # (n,) drafts each sequence could verify (its plan's num_spec)
+    top_prob: list[list[float]]  # (n, m) the draft's top probability at each position
+    margin: list[list[float]]  # (n, m) top-1 minus top-2 probability
+    entropy: list[list[float]]  # (n, m) entropy of the draft distribution, nats
+    keep: list[int]  # (n,) drafts sent to validation
+    accepted: list[int]  # (n,) drafts accepted
+    probe: bool  # an adaptive probe step (verifies past the decision for some sequences)
 
 
 @dataclass
@@ -73,6 +89,7 @@ class StepStats:
     predicted_validate_ms: float = 0.0  # what the time model in force predicted for this validation
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: sequences that accepted draft j+1
     verified_per_position: list[int] = field(default_factory=list)  # [j]: sequences that verified draft j+1
+    trace: StepTrace | None = None  # when the plan asked for it
 
 
 @dataclass

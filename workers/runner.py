@@ -19,7 +19,7 @@ from controller.policy import SpecPolicy
 
 from models.attention import AttnBatch
 from models.decoder import CausalLM
-from workers.plan import ForkPlan, SamplingParams, SeqOutput, StepPlan, StepResult, StepStats
+from workers.plan import ForkPlan, SamplingParams, SeqOutput, StepPlan, StepResult, StepStats, StepTrace
 from workers.proposer import MTPProposer, Proposer, SeqState
 from workers.sampler import draft_sample, greedy_accept, probs_from_logits, rejection_accept, sample_token
 
@@ -31,6 +31,8 @@ class DraftBlock:
     token_prob: np.ndarray  # (n, m) the draft's probability of the drafted token
     steps: int  # draft forwards run: m <= k (the budget, or fewer after an early stop)
     q: dict[int, torch.Tensor]  # sampled sequence index -> (m, V) distributions its drafts were drawn from
+    margin: np.ndarray | None = None  # (n, m) top-1 minus top-2 probability (step traces only)
+    entropy: np.ndarray | None = None  # (n, m) entropy of the draft distribution, nats (step traces only)
 
 
 class ModelRunner:
@@ -127,7 +129,7 @@ class ModelRunner:
         k = int(max_keep.max()) if self.proposer is not None else 0
         ctx = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, _oracle(plan, k))
         t0 = time.perf_counter()
-        draft = self._draft(seqs, [p.sampling for p in plan.seqs], self.policy.draft_budget(k))
+        draft = self._draft(seqs, [p.sampling for p in plan.seqs], self.policy.draft_budget(k), plan.trace)
         stats.draft_ms = (time.perf_counter() - t0) * 1e3
         keep = torch.from_numpy(self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy()))
         t1 = time.perf_counter()
@@ -142,15 +144,21 @@ class ModelRunner:
         stats.num_tokens, stats.draft_steps = len(ids), draft.steps
         stats.predicted_validate_ms = ctx.model.validate_ms(keep.numpy() + 1, kv)
         stats.kv_tokens = int(((keep.numpy() + 1) * kv).sum())
-        return self._accept(plan, seqs, draft, keep, batch, hidden, logits, stats)
+        outputs = self._accept(plan, seqs, draft, keep, batch, hidden, logits, stats)
+        if plan.trace:
+            stats.trace = StepTrace(kv.tolist(), max_keep.tolist(), _rounded(draft.top_prob), _rounded(draft.margin),
+                                    _rounded(draft.entropy), keep.tolist(), [o.accepted for o in outputs], ctx.probe)
+        return outputs
 
-    def _draft(self, seqs: list[SeqState], params: list[SamplingParams], budget: int) -> DraftBlock:
+    def _draft(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, trace: bool) -> DraftBlock:
         """Greedy sequences draft the argmax; sampled ones draw from their sampling
         distribution q, kept for the rejection test. The confidence inputs (top
-        probability) never depend on the drawn token."""
+        probability) never depend on the drawn token. `trace` also records each
+        position's top-2 margin and entropy."""
         n = len(seqs)
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
         tokens, top, chosen, qs = [], [], [], {i: [] for i in sampled}
+        margins, entropies = [], []
         if budget > 0:
             logits = self.proposer.begin(seqs, self.block_size)
             for j in range(budget):
@@ -162,6 +170,13 @@ class ModelRunner:
                     qs[i].append(qi)
                     d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
                     p_top[i], p_tok[i] = qi.max(), qi[d[i]]
+                if trace:
+                    dist = q.clone()
+                    for i in sampled:
+                        dist[i] = qs[i][-1]
+                    top2 = dist.topk(2, dim=-1).values
+                    margins.append(top2[:, 0] - top2[:, 1])
+                    entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
                 tokens.append(d)
                 top.append(p_top)
                 chosen.append(p_tok)
@@ -171,10 +186,12 @@ class ModelRunner:
                 logits = self.proposer.next(d.to(self.device))
         if not tokens:
             empty = np.zeros((n, 0))
-            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {})
+            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
         return DraftBlock(torch.stack(tokens, 1), torch.stack(top, 1).double().numpy(),
                           torch.stack(chosen, 1).double().numpy(), len(tokens),
-                          {i: torch.stack(rows) for i, rows in qs.items()})
+                          {i: torch.stack(rows) for i, rows in qs.items()},
+                          torch.stack(margins, 1).double().numpy() if trace else None,
+                          torch.stack(entropies, 1).double().numpy() if trace else None)
 
     def _accept(self, plan, seqs, draft, keep, batch, hidden, logits, stats) -> list[SeqOutput]:
         n, kmax = len(seqs), int(keep.max())
@@ -211,6 +228,10 @@ class ModelRunner:
             outputs.append(SeqOutput(p.seq_id, emitted[i], drafted=min(p.num_spec, draft.steps),
                                      verified=int(keep[i]), accepted=a))
         return outputs
+
+
+def _rounded(a: np.ndarray) -> list[list[float]]:
+    return np.round(a, 4).tolist()
 
 
 def _oracle(plan: StepPlan, k: int) -> np.ndarray | None:

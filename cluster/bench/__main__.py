@@ -1,0 +1,5 @@
+import sys
+
+from cluster.bench.offline import main
+
+sys.exit(main())

