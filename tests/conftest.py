@@ -27,11 +27,13 @@ def ray_session():
     shutil.rmtree(temp, ignore_errors=True)
 
 
+TEST_SIZING = ("parallel.num_cpus_per_worker=0.1", "parallel.threads_per_worker=1", "cache.kv_tokens=16384",
+               "model.max_model_len=512")
+
+
 def tiny_config(*overrides: str) -> Config:
     """The embedded default, sized for tests: small cache, ranks sharing the cores."""
-    base = ["parallel.num_cpus_per_worker=0.1", "parallel.threads_per_worker=1", "cache.kv_tokens=16384",
-            "model.max_model_len=512"]
-    return load_config("yamls/tiny.yaml", base + list(overrides))
+    return load_config("yamls/tiny.yaml", list(TEST_SIZING) + list(overrides))
 
 
 def local_engine(cfg: Config):

@@ -139,3 +139,63 @@ class VLLMArms:
     def close(self) -> None:
         for peer in self.peers.values():
             peer.close()
+
+
+class VLLMServer:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the same
+    checkpoint, plain or with the bundled draft, in a subprocess on a free local port."""
+
+    def __init__(self, python: str, model: str, draft: str | None, k: int, max_num_seqs: int, max_model_len: int,
+                 name: str, log_path: Path, env: dict | None = None):
+        from workers.worker import free_port
+
+        if not Path(python).is_file():
+            raise FileNotFoundError(f"bench.vllm_python={python!r} does not exist")
+        port = free_port()
+        self.url, self.name, self.log_path = f"http://127.0.0.1:{port}", name, log_path
+        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--tokenizer", model,
+                "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, "--seed", "0"]
+        if draft:
+            args += ["--speculative-config",
+                     json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": k})]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w")
+        self.env = vllm_env(python, env or {})
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=str(log_path.parent))
+        t0 = time.monotonic()
+        self._wait_ready()
+        self.start_s = time.monotonic() - t0
+
+    def _wait_ready(self) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self._failure(f"exited with status {self.proc.returncode} while starting")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.close()
+        raise PeerError(f"vLLM server did not answer /health within {START_TIMEOUT_S} s; see {self.log_path}")
+
+    def _failure(self, what: str) -> PeerError:
+        self._log.flush()
+        tail = self.log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        return PeerError(f"vLLM server {what}; last lines of {self.log_path}:\n" + "\n".join(tail))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()

@@ -1,0 +1,54 @@
+"""serve.json -> the Markdown table and the PNG (throughput and TPOT p50 against the
+request rate, one line per arm)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _p(lat: dict) -> str:
+    return " / ".join("" if lat[q] is None else f"{lat[q]:.1f}" for q in ("p50", "p90", "p99"))
+
+
+def markdown(result: dict) -> str:
+    lines = ["| arm | rate (req/s) | of saturation | output tok/s | req/s | TTFT ms p50/p90/p99 | "
+             "TPOT ms p50/p90/p99 | ITL ms p50/p90/p99 | errors |", "|" + "---|" * 9]
+    for arm in result["arms"]:
+        for p in (p for p in result["points"] if p["arm"] == arm):
+            frac = "" if p["rate_fraction"] is None else f"{100 * p['rate_fraction']:.0f}%"
+            lines.append(f"| {arm} | {p['rate']} | {frac} | {p['output_tok_per_s']} | {p['request_per_s']} | "
+                         f"{_p(p['ttft_ms'])} | {_p(p['tpot_ms'])} | {_p(p['itl_ms'])} | {p['errors']} |")
+    s = result["saturation"]
+    vllm = result.get("vllm") or {}
+    notes = [f"- {result['requests']} held-out ShareGPT requests per point (mean max_tokens "
+             f"{result['mean_max_tokens']}), greedy, EOS honoured, streamed; Poisson arrivals, seeded",
+             f"- saturation ({s['arm']}, every request at once): {s['request_per_s']} req/s, "
+             f"{s['output_tok_per_s']} output tok/s",
+             f"- our arms streamed the same greedy text as the saturation run: **{result['outputs_identical']}**; "
+             f"per arm: " + ", ".join(f"{a} {'same' if v['identical'] else str(v['differing']) + ' differ'}"
+                                     for a, v in result["texts_vs_base"].items()),
+             f"- vLLM: {vllm['skipped']}" if "skipped" in vllm else f"- vLLM servers started in (s): {vllm['servers']}",
+             f"- machine: {result['machine']}; the sweep took {result['elapsed_s']} s"]
+    return "\n".join(lines + [""] + notes) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    for arm in result["arms"]:
+        pts = sorted((p for p in result["points"] if p["arm"] == arm), key=lambda p: p["rate"])
+        rates = [p["rate"] for p in pts]
+        style = "--" if arm.startswith("vllm") else "-"
+        axes[0].plot(rates, [p["output_tok_per_s"] for p in pts], style, marker="o", label=arm)
+        axes[1].plot(rates, [p["tpot_ms"]["p50"] for p in pts], style, marker="o", label=arm)
+    axes[0].set(xlabel="request rate (req/s)", ylabel="output tok/s", title="throughput")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="ms", title="TPOT p50")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

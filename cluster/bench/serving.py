@@ -1,0 +1,256 @@
+"""`adaspec bench-serve`: a serving load sweep over HTTP. Held-out ShareGPT requests, each
+with its own reply's length as max_tokens (capped at bench.max_output_len), greedy, EOS
+honoured, streamed, arrive as a seeded Poisson process; request rates go from 10% to 120%
+of the plain-decoding saturation, measured first with every request sent at once.
+
+    adaspec bench-serve --config yamls/bench.yaml --out out/bench-serve
+    adaspec bench-serve --config yamls/bench.yaml --url http://127.0.0.1:8000 --out out/other
+
+Arms (bench.serve_arms): our server (`adaspec serve`'s Ray Serve app) in each
+configuration, one application per arm under its own route prefix, all started first;
+with bench.vllm_python set, also vLLM's OpenAI server on the same checkpoint
+(bench.serve_vllm_arms). At every rate the arms take turns in an order that rotates from
+rate to rate, on the same requests and the same arrival times. `--url` measures one
+running OpenAI-compatible server instead. Writes serve.json, serve.md and serve.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from cluster.bench.load import RequestResult, RequestSpec, run_load
+from cluster.common import add_config_args, config_from_args
+from cluster.config import ConfigError
+
+WARMUP_REQUESTS = 8
+ARM_PATTERN = re.compile(r"^(nospec|static-(\d+)|adaptive-(\d+))$")
+VLLM_ARM_PATTERN = re.compile(r"^vllm-(nospec|draft-(\d+))$")
+
+
+@dataclass
+class Target:
+    """One arm's server: where to send requests and under which model name."""
+
+    arm: str
+    url: str
+    model: str | None
+
+
+def arm_overrides(arm: str) -> list[str]:
+    """Config overrides that make our server run `arm` (nospec, static-K, adaptive-K)."""
+    m = ARM_PATTERN.match(arm)
+    if not m:
+        raise ConfigError(f"bench.serve_arms: {arm!r} is not nospec, static-K or adaptive-K")
+    if arm == "nospec":
+        return ["speculative.enabled=false"]
+    k = int(m.group(2) or m.group(3))
+    return ["speculative.enabled=true", f"speculative.num_speculative_tokens={k}",
+            f"speculative.adaptive.enabled={'true' if arm.startswith('adaptive') else 'false'}"]
+
+
+def workload(tokenizer, bench) -> list[RequestSpec]:
+    from models.data import heldout_exchanges
+
+    specs = []
+    for prompt, reply in heldout_exchanges(seed=bench.seed):
+        ids = tokenizer(prompt)["input_ids"]
+        if len(ids) < bench.min_prompt_len:
+            continue
+        out_len = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        specs.append(RequestSpec(ids[: bench.max_prompt_len], max(1, min(out_len, bench.max_output_len))))
+        if len(specs) == bench.serve_requests:
+            return specs
+    raise ValueError(f"only {len(specs)} held-out exchanges have prompts of >= {bench.min_prompt_len} tokens")
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 90, 99])
+    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3)}
+
+
+def point(arm: str, rate: float, fraction: float | None, results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if not r.error]
+    return {"arm": arm, "rate": round(rate, 4) if np.isfinite(rate) else "inf", "rate_fraction": fraction,
+            "completed": len(ok), "errors": len(results) - len(ok),
+            "error_examples": sorted({r.error for r in results if r.error})[:3],
+            "output_tok_per_s": round(sum(r.tokens for r in ok) / max(wall, 1e-9), 2),
+            "request_per_s": round(len(ok) / max(wall, 1e-9), 3), "wall_s": round(wall, 3),
+            "ttft_ms": percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+            "tpot_ms": percentiles([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+            "itl_ms": percentiles([g for r in ok for g in r.itl_ms()]),
+            "texts": [r.text if not r.error else None for r in results]}  # compared across arms, then dropped
+
+
+def compare_texts(base: dict, points: list[dict]) -> dict:
+    """Per arm: did every completed request stream the same text as the base arm's
+    saturation run (all greedy, so every configuration must agree)?"""
+    out = {}
+    for p in points:
+        got = out.setdefault(p["arm"], {"identical": True, "differing": 0})
+        for mine, ref in zip(p["texts"], base["texts"]):
+            if mine is not None and ref is not None and mine != ref:
+                got["identical"], got["differing"] = False, got["differing"] + 1
+    return out
+
+
+def measure(target: Target, specs: list[RequestSpec], rate: float, seed: int, fraction: float | None = None,
+            api_key: str | None = None) -> dict:
+    results, wall = asyncio.run(run_load(target.url, target.model, specs, rate, seed, api_key))
+    return point(target.arm, rate, fraction, results, wall)
+
+
+class OurServers:
+    """One Ray Serve application per arm (the app `adaspec serve` runs), route prefix /<arm>."""
+
+    def __init__(self, cfg, config: str | None, overrides: list[str], arms: list[str], trace: str | None):
+        from ray import serve
+
+        from cluster.ray_env import ensure_ray
+        from cluster.serve import build_app, resolve_config_path
+        from workers.worker import free_port
+
+        self.started_ray = ensure_ray(cfg)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        self.targets = []
+        config = resolve_config_path(config)
+        for arm in tqdm(arms, desc="starting our servers", mininterval=2):
+            extra = arm_overrides(arm)
+            if trace:
+                t = Path(trace)
+                extra += [f"engine.trace_path={t.with_name(f'{t.stem}.{arm}{t.suffix}')}", f"engine.trace_label={arm}"]
+            serve.run(build_app({"config": config, "overrides": list(overrides) + extra}), name=arm,
+                      route_prefix=f"/{arm}", blocking=False)
+            self.targets.append(Target(arm, f"http://127.0.0.1:{port}/{arm}", cfg.serve.model_name))
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        if self.started_ray:
+            ray.shutdown()
+
+
+def vllm_servers(cfg, out_dir: Path) -> list:
+    from cluster.bench.vllm_peer import VLLMServer
+
+    bench, servers = cfg.bench, []
+    try:
+        for arm in tqdm(bench.serve_vllm_arms, desc="starting vLLM servers", mininterval=2):
+            m = VLLM_ARM_PATTERN.match(arm)
+            if not m:
+                raise ConfigError(f"bench.serve_vllm_arms: {arm!r} is not vllm-nospec or vllm-draft-K")
+            k = int(m.group(2) or 0)
+            servers.append(VLLMServer(bench.vllm_python, cfg.model.target, cfg.model.draft if k else None, k,
+                                      cfg.engine.max_num_seqs, bench.max_prompt_len + bench.max_output_len + 8, arm,
+                                      out_dir / "vllm" / f"serve-{arm}.log", bench.vllm_env))
+    except BaseException:
+        for s in servers:
+            s.close()
+        raise
+    return servers
+
+
+def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url: str | None = None,
+              trace: str | None = None) -> dict:
+    from cluster.engine import load_tokenizer
+
+    bench, started = cfg.bench, time.perf_counter()
+    specs = workload(load_tokenizer(cfg.model.target), bench)
+    ours, peers, targets = None, [], []
+    try:
+        if url:
+            targets = [Target("url", url.rstrip("/"), None)]
+        else:
+            ours = OurServers(cfg, config, overrides, list(bench.serve_arms), trace)
+            targets += ours.targets
+            if bench.vllm_python:
+                peers = vllm_servers(cfg, out_dir)
+                targets += [Target(s.name, s.url, s.name) for s in peers]
+        for t in tqdm(targets, desc="warm-up", mininterval=2):
+            measure(t, specs[:WARMUP_REQUESTS], float("inf"), bench.seed)
+        base = next(t for t in targets if t.arm in ("nospec", "url"))
+        saturation = measure(base, specs, float("inf"), bench.seed)
+        sat_rps = saturation["request_per_s"]
+        points = []
+        bar = tqdm(total=len(bench.serve_rates) * len(targets), desc="sweep", mininterval=2)
+        for i, fraction in enumerate(bench.serve_rates):
+            for t in targets[i % len(targets):] + targets[: i % len(targets)]:
+                points.append(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction))
+                bar.update()
+        bar.close()
+        identical = compare_texts(saturation, points)
+    finally:
+        for s in peers:
+            s.close()
+        if ours is not None:
+            ours.close()
+    for p in [saturation] + points:
+        del p["texts"]
+    result = {"config": cfg.to_dict(), "url": url, "arms": [t.arm for t in targets], "requests": len(specs),
+              "outputs_identical": all(v["identical"] for a, v in identical.items() if not a.startswith("vllm")),
+              "texts_vs_base": identical,
+              "mean_max_tokens": round(float(np.mean([s.max_tokens for s in specs])), 1),
+              "saturation": saturation, "saturation_rps": sat_rps, "points": points,
+              "vllm": ({"servers": {s.name: round(s.start_s, 1) for s in peers}} if peers else
+                       {"skipped": "bench.vllm_python is not set" if not url else "--url given"}),
+              "machine": _machine(cfg), "elapsed_s": round(time.perf_counter() - started, 1)}
+    write_outputs(result, out_dir)
+    return result
+
+
+def _machine(cfg) -> str:
+    from cluster.bench.results import machine_note
+
+    return machine_note(cfg.parallel.device)
+
+
+def write_outputs(result: dict, out_dir: Path) -> None:
+    from cluster.bench.serve_report import markdown, plot
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serve.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "serve.md").write_text(markdown(result))
+    plot(result, out_dir / "serve.png")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="adaspec bench-serve", description=__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--out", default="out/bench-serve", help="directory for serve.json, serve.md and serve.png")
+    p.add_argument("--url", help="measure this running OpenAI-compatible server instead of starting ours")
+    p.add_argument("--record-trace", metavar="FILE",
+                   help="our arms append their decode steps to FILE with the arm before the suffix (cluster/trace.py)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    for arm in cfg.bench.serve_arms:
+        arm_overrides(arm)  # refuse a bad arm name before anything starts
+    result = run_sweep(cfg, args.config, list(args.overrides), Path(args.out), args.url, args.record_trace)
+    print(Path(args.out, "serve.md").read_text())
+    return 1 if any(p["errors"] for p in result["points"]) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cluster.common import run_cli
+
+    return run_cli(run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

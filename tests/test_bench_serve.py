@@ -1,0 +1,50 @@
+"""A small serving sweep against our own servers (one Ray Serve application per arm):
+the JSON shape, the same greedy text from every arm, and per-arm step traces."""
+from __future__ import annotations
+
+import json
+
+from cluster.bench.serving import arm_overrides, run_sweep
+from cluster.config import ConfigError, load_config
+from cluster.trace import read_trace
+from tests.conftest import TEST_SIZING
+
+ARMS = ["nospec", "static-3", "adaptive-3"]
+RATES = [0.5, 2.0]
+REQUESTS = 4
+
+
+def test_bench_serve_smoke(ray_session, tmp_path):
+    overrides = list(TEST_SIZING) + [
+        "parallel.tp_size=1", "speculative.adaptive.profile_on_start=false", f"bench.serve_arms={json.dumps(ARMS)}",
+        f"bench.serve_rates={RATES}", f"bench.serve_requests={REQUESTS}", "bench.max_output_len=8"]
+    cfg = load_config("yamls/tiny.yaml", overrides)
+    result = run_sweep(cfg, "yamls/tiny.yaml", overrides, tmp_path, trace=str(tmp_path / "trace.jsonl"))
+    assert result["arms"] == ARMS and result["requests"] == REQUESTS
+    assert result["outputs_identical"] and set(result["texts_vs_base"]) == set(ARMS)
+    assert result["saturation"]["arm"] == "nospec" and result["saturation_rps"] > 0
+    assert [(p["arm"], p["rate_fraction"]) for p in result["points"]] == [
+        ("nospec", 0.5), ("static-3", 0.5), ("adaptive-3", 0.5), ("static-3", 2.0), ("adaptive-3", 2.0), ("nospec", 2.0)]
+    for p in result["points"]:
+        assert p["errors"] == 0 and p["completed"] == REQUESTS and p["output_tok_per_s"] > 0
+        assert p["rate"] == round(p["rate_fraction"] * result["saturation_rps"], 4)
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert p[key]["p50"] <= p[key]["p90"] <= p[key]["p99"]
+    saved = json.loads((tmp_path / "serve.json").read_text())
+    assert saved["points"] == result["points"] and "texts" not in saved["points"][0]
+    assert (tmp_path / "serve.md").read_text().startswith("| arm")
+    assert (tmp_path / "serve.png").stat().st_size > 10_000
+    static = list(read_trace(tmp_path / "trace.static-3.jsonl"))
+    assert static and {line["label"] for line in static} == {"static-3"}
+    assert all(line["keep"] == [min(line["draft_steps"], s) for s in line["num_spec"]] for line in static)
+
+
+def test_serve_arm_names():
+    assert arm_overrides("adaptive-7")[-2:] == ["speculative.num_speculative_tokens=7",
+                                                "speculative.adaptive.enabled=true"]
+    try:
+        arm_overrides("static")
+    except ConfigError as e:
+        assert "bench.serve_arms" in str(e)
+    else:
+        raise AssertionError("a bad arm name was accepted")
