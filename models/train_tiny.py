@@ -1,15 +1,16 @@
 """Train the bundled tiny model pair from scratch on ShareGPT V3, on CPU, seeded.
 
-    python -m models.train_tiny                 # all stages, about 40 minutes on 2 cores
-    python -m models.train_tiny --stage mtp     # one stage (tokenizer|target|distill|draft|mtp|export)
+    python -m models.train_tiny                 # all stages, about 50 minutes on 2 cores
+    python -m models.train_tiny --stage mtp     # one stage (tokenizer|target|distill|draft|mtp|export|eval)
 
 Stages:
   tokenizer  byte-level BPE (vocab 4096) on training conversations
-  target     LlamaForCausalLM, about 5.1M parameters, next-token loss on ShareGPT text
+  target     LlamaForCausalLM, about 5.9M parameters, next-token loss on ShareGPT text
   distill    the target's greedy continuations of training prompts (the text speculation sees)
   draft      a 1-layer LM distilled from the target (KL to its distribution)
   mtp        a DeepSeek-V3-style MTP module distilled from the target's next-next distribution
   export     16-bit safetensors into models/tiny/{target,draft}
+  eval       the shipped target's loss on 16,384 held-out tokens
 
 Everything is computed in float32; held-out conversations (models.data.is_heldout) are
 never trained on. Intermediate float32 checkpoints go to models/tiny/.work (not shipped).
@@ -37,9 +38,9 @@ SEQ_LEN = 256
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=16,
-                    num_key_value_heads=4, head_dim=16)
+                    num_key_value_heads=4, head_dim=32)
 DRAFT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=16,
-                   num_key_value_heads=4, head_dim=16)
+                   num_key_value_heads=4, head_dim=32)
 TARGET_STEPS, DRAFT_STEPS, MTP_STEPS = 900, 500, 600
 BATCH = 16
 DISTILL_PROMPTS, DISTILL_NEW_TOKENS = 1536, 96
@@ -244,6 +245,28 @@ def stage_mtp() -> None:
               WORK_DIR / "mtp.safetensors")
 
 
+# ---------------------------------------------------------------------------- eval
+EVAL_ROWS = 64  # x SEQ_LEN = 16,384 tokens
+
+
+def stage_eval() -> None:
+    """Held-out loss of the shipped target: packed held-out conversations, never trained on."""
+    from transformers import LlamaForCausalLM
+
+    tok = load_tokenizer()
+    target = LlamaForCausalLM.from_pretrained(TINY_DIR / "target", torch_dtype=torch.float32).eval()
+    buf: list[int] = []
+    for conv in iter_conversations():
+        if is_heldout(conv):
+            buf.extend(tok("\n\n".join(t for _, t in conv.turns if t.strip()))["input_ids"] + [tok.eos_token_id])
+        if len(buf) >= EVAL_ROWS * SEQ_LEN:
+            break
+    x = torch.tensor(buf[: EVAL_ROWS * SEQ_LEN]).view(EVAL_ROWS, SEQ_LEN)
+    with torch.no_grad():
+        loss = sum(target(input_ids=x[i:i + 8], labels=x[i:i + 8]).loss.item() for i in range(0, EVAL_ROWS, 8)) / 8
+    print(f"held-out loss: {loss:.3f} nats per token ({EVAL_ROWS * SEQ_LEN} tokens)")
+
+
 # ---------------------------------------------------------------------------- export
 def stage_export() -> None:
     from models.train_mtp import export_tiny
@@ -252,7 +275,7 @@ def stage_export() -> None:
 
 
 STAGES = {"tokenizer": stage_tokenizer, "target": stage_target, "distill": stage_distill,
-          "draft": stage_draft, "mtp": stage_mtp, "export": stage_export}
+          "draft": stage_draft, "mtp": stage_mtp, "export": stage_export, "eval": stage_eval}
 
 
 def main() -> None:

@@ -155,7 +155,7 @@ def vllm_servers(cfg, out_dir: Path) -> list:
             k = int(m.group(2) or 0)
             servers.append(VLLMServer(bench.vllm_python, cfg.model.target, cfg.model.draft if k else None, k,
                                       cfg.engine.max_num_seqs, bench.max_prompt_len + bench.max_output_len + 8, arm,
-                                      out_dir / "vllm" / f"serve-{arm}.log", bench.vllm_env))
+                                      out_dir / "logs" / f"vllm-serve-{arm}.log", bench.vllm_env))
     except BaseException:
         for s in servers:
             s.close()

@@ -108,7 +108,7 @@ class VLLMArms:
         try:
             for k in tqdm([0] + self.ks, desc="vLLM peers", mininterval=2):
                 self.peers[k] = VLLMPeer(draft=cfg.model.draft if k else None, k=k,
-                                         log_path=out_dir / "vllm" / f"{'nospec' if not k else f'draft-{k}'}.log",
+                                         log_path=out_dir / "logs" / f"vllm-{'nospec' if not k else f'draft-{k}'}.log",
                                          **common)
         except BaseException:
             self.close()
