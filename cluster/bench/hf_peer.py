@@ -20,6 +20,8 @@ DEFAULTS = ("constant", 20, 0.4)  # transformers' defaults for an assistant mode
 class HFPeer:
     """Loads the target and the draft with transformers on the engine's device and threads."""
 
+    settle_s = 0.0  # in-process: nothing runs between waves
+
     def __init__(self, cfg, tune_prompts: list[list[int]]):
         from transformers import AutoModelForCausalLM
 

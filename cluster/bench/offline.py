@@ -14,16 +14,19 @@ greedy reference token for token (`outputs_identical`).
 Rounds: at each batch size b the prompts form waves of b concurrent sequences. One
 warm-up wave per arm (not counted) sets how many waves a round holds, so that every arm
 spends at least bench.min_round_s in each round; then bench.rounds rounds run, wave by
-wave, every arm on the same wave in an order that rotates from wave to wave, so a drift
-of the machine hits every arm alike. Each arm's tok/s is the median over rounds with a
-95% bootstrap interval; each ratio is the median of per-round ratios with its interval.
-`nospec-again`, plain decoding measured as a second arm, is the control: its ratio to
+wave, every arm on the same wave in an order shuffled (seeded) every wave, so neither a
+drift of the machine nor what ran just before favours an arm. Subprocess peers keep the
+cores busy for a moment after a wave (vLLM's workers poll for a second before they
+sleep): their arms run back to back and the next arm waits `settle_s` untimed. Each
+arm's tok/s is the median over rounds with a 95% bootstrap interval; each ratio is the
+median of per-round ratios with its interval. `nospec-again`, plain decoding measured as a second arm, is the control: its ratio to
 nospec must have an interval that contains 1.0 (`control_ok`).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -57,6 +60,8 @@ def load_prompts(engine: Engine, bench) -> list[list[int]]:
 
 class EngineArms:
     """Our arms: one Engine, switched between modes and k without restarting its ranks."""
+
+    settle_s = 0.0  # nothing of ours runs between waves
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -104,29 +109,55 @@ def our_arms(bench, batch: int, several: bool) -> list[Arm]:
     return arms
 
 
+def wave_order(group: list[Arm], runners: dict, rng: random.Random) -> list[Arm]:
+    """A shuffled order of the arms; the arms of a runner that needs to settle after its
+    waves stay together (shuffled among themselves), so it settles once per wave."""
+    blocks: dict[int, list[Arm]] = {}
+    for arm in group:
+        key = id(runners[arm.name]) if runners[arm.name].settle_s else id(arm)
+        blocks.setdefault(key, []).append(arm)
+    order = list(blocks.values())
+    rng.shuffle(order)
+    for block in order:
+        rng.shuffle(block)
+    return [arm for block in order for arm in block]
+
+
 def run_rounds(group: list[Arm], runners: dict, prompts: list[list[int]], refs: list[list[int]], bench,
                batch: int) -> int:
     """Warm up, size the rounds, then run bench.rounds rounds of `group` at `batch`;
     runners[arm.name] runs the arm's waves. Returns the waves per round."""
     waves = [list(range(s, min(s + batch, len(prompts)))) for s in range(0, len(prompts), batch)]
+    rng = random.Random(bench.seed * 1_000_003 + batch)
 
     def wave(arm: Arm, w: int, label: str) -> WaveResult:
         want = [refs[i] for i in waves[w]]
-        got = runners[arm.name].run_wave(arm, [prompts[i] for i in waves[w]], want, bench.output_len, label)
+        runner = runners[arm.name]
+        got = runner.run_wave(arm, [prompts[i] for i in waves[w]], want, bench.output_len, label)
         arm.check(got.token_ids, want)
         return got
 
-    warm = [wave(arm, 0, f"{arm.name}/warmup").wall_s for arm in group]
+    def run_in_order(order: list[Arm], w: int, label: str, record: bool) -> list[float]:
+        walls = []
+        for i, arm in enumerate(order):
+            got = wave(arm, w, f"{arm.name}/{label}")
+            walls.append(got.wall_s)
+            if record:
+                arm.record(got)
+            settle = runners[arm.name].settle_s
+            if settle and (i + 1 == len(order) or runners[order[i + 1].name] is not runners[arm.name]):
+                time.sleep(settle)
+        return walls
+
+    warm = run_in_order(wave_order(group, runners, rng), 0, "warmup", record=False)
     per_round = max(1, math.ceil(bench.min_round_s / max(min(warm), 1e-6)))
     bar = tqdm(total=bench.rounds * per_round * len(group), desc=f"batch {batch}", mininterval=2)
     for r in range(bench.rounds):
         for arm in group:
             arm.rounds.append(Round())
         for j in range(per_round):
-            turn = r * per_round + j
-            for arm in group[turn % len(group):] + group[: turn % len(group)]:  # the order rotates every wave
-                arm.record(wave(arm, turn % len(waves), f"{arm.name}/r{r}"))
-                bar.update()
+            run_in_order(wave_order(group, runners, rng), (r * per_round + j) % len(waves), f"r{r}", record=True)
+            bar.update(len(group))
     bar.close()
     return per_round
 

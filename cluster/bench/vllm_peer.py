@@ -14,6 +14,11 @@ from cluster.bench.arms import WaveResult
 WORKER = Path(__file__).with_name("vllm_worker.py")
 START_TIMEOUT_S = 900
 KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: the tiny model's waves need far less
+# vLLM's workers poll their shared-memory queue for 1 s after each message (shm_broadcast's
+# busy_loop_s) and Intel OpenMP spins 200 ms after each parallel region: whatever ran next
+# would share the cores with that. Measured here: plain decoding right after a vLLM wave ran
+# at 0.36x-0.82x of plain decoding elsewhere in the order.
+SETTLE_S = 1.5
 
 
 class PeerError(RuntimeError):
@@ -96,6 +101,8 @@ class VLLMArms:
     """The vLLM arms of the offline bench: `vllm-nospec` and `vllm-draft-k` (vLLM's
     draft_model speculation with the bundled draft, k in bench.ks), one live subprocess per
     configuration, started one after another (their compile steps do not overlap)."""
+
+    settle_s = SETTLE_S  # untimed pause before an arm of another runner follows one of ours
 
     def __init__(self, cfg, out_dir: Path):
         from tqdm import tqdm
