@@ -23,8 +23,8 @@ def test_bench_serve_smoke(ray_session, tmp_path):
     assert result["arms"] == ARMS and result["requests"] == REQUESTS
     assert result["outputs_identical"] and set(result["texts_vs_base"]) == set(ARMS)
     assert result["saturation"]["arm"] == "nospec" and result["saturation_rps"] > 0
-    assert [(p["arm"], p["rate_fraction"]) for p in result["points"]] == [
-        ("nospec", 0.5), ("static-3", 0.5), ("adaptive-3", 0.5), ("static-3", 2.0), ("adaptive-3", 2.0), ("nospec", 2.0)]
+    assert sorted((p["rate_fraction"], p["arm"]) for p in result["points"]) == sorted(
+        (f, a) for f in RATES for a in ARMS)  # every arm at every rate
     for p in result["points"]:
         assert p["errors"] == 0 and p["completed"] == REQUESTS and p["output_tok_per_s"] > 0
         assert p["rate"] == round(p["rate_fraction"] * result["saturation_rps"], 4)

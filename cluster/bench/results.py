@@ -15,6 +15,8 @@ def ratios(arms: list[Arm], seed: int = 0) -> list[dict]:
     out = []
 
     def add(kind: str, arm: Arm, to: Arm) -> None:
+        if any(r["arm"] == arm.name and r["to"] == to.name for r in out):
+            return  # our best arm may be nospec, and vLLM's best its nospec
         med, ci = ratio_summary(arm.tok_per_s_rounds(), to.tok_per_s_rounds(), seed)
         out.append({"arm": arm.name, "to": to.name, "batch": arm.batch, "kind": kind, "median": round(med, 4),
                     "ci": [round(ci[0], 4), round(ci[1], 4)], "no_difference": contains_one(ci)})

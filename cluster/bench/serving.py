@@ -9,8 +9,9 @@ of the plain-decoding saturation, measured first with every request sent at once
 Arms (bench.serve_arms): our server (`adaspec serve`'s Ray Serve app) in each
 configuration, one application per arm under its own route prefix, all started first;
 with bench.vllm_python set, also vLLM's OpenAI server on the same checkpoint
-(bench.serve_vllm_arms). At every rate the arms take turns in an order that rotates from
-rate to rate, on the same requests and the same arrival times. `--url` measures one
+(bench.serve_vllm_arms). At every rate the arms take turns in an order shuffled (seeded)
+from rate to rate, on the same requests and the same arrival times; after a vLLM arm the
+next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`). `--url` measures one
 running OpenAI-compatible server instead. Writes serve.json, serve.md and serve.png.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import sys
 import time
@@ -28,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.bench.load import RequestResult, RequestSpec, run_load
+from cluster.bench.vllm_peer import SETTLE_S
 from cluster.common import add_config_args, config_from_args
 from cluster.config import ConfigError
 
@@ -43,6 +46,7 @@ class Target:
     arm: str
     url: str
     model: str | None
+    settle_s: float = 0.0  # untimed pause after measuring it (a peer that keeps polling)
 
 
 def arm_overrides(arm: str) -> list[str]:
@@ -178,17 +182,20 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
             targets += ours.targets
             if bench.vllm_python:
                 peers = vllm_servers(cfg, out_dir)
-                targets += [Target(s.name, s.url, s.name) for s in peers]
+                targets += [Target(s.name, s.url, s.name, SETTLE_S) for s in peers]
         for t in tqdm(targets, desc="warm-up", mininterval=2):
             measure(t, specs[:WARMUP_REQUESTS], float("inf"), bench.seed)
+            time.sleep(t.settle_s)
         base = next(t for t in targets if t.arm in ("nospec", "url"))
         saturation = measure(base, specs, float("inf"), bench.seed)
         sat_rps = saturation["request_per_s"]
         points = []
+        rng = random.Random(bench.seed)
         bar = tqdm(total=len(bench.serve_rates) * len(targets), desc="sweep", mininterval=2)
         for i, fraction in enumerate(bench.serve_rates):
-            for t in targets[i % len(targets):] + targets[: i % len(targets)]:
+            for t in rng.sample(targets, len(targets)):
                 points.append(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction))
+                time.sleep(t.settle_s)
                 bar.update()
         bar.close()
         identical = compare_texts(saturation, points)
