@@ -13,11 +13,12 @@ from typing import Any
 import yaml
 
 from controller.config import ESTIMATORS, METHODS, SpeculativeConfig
+from models.attention import MAX_GROUPED_QUERY
 from models.config import ModelConfig
 from workers.config import DEVICES, EXECUTORS, PLACEMENTS, CacheConfig, ParallelConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-MAX_SPECULATIVE_TOKENS = 16
+MAX_SPECULATIVE_TOKENS = MAX_GROUPED_QUERY - 1  # a verification query (last token + k drafts) stays grouped
 
 
 class ConfigError(ValueError):
@@ -47,8 +48,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    model_name: str = "adaspec-tiny"
+    model_name: str | None = None  # served name; None: the checkpoint directory's (adaspec-tiny when bundled)
     max_request_bytes: int = 1 << 20  # larger request bodies are refused (HTTP 413)
+    max_n: int = 16  # samples per HTTP request (the offline engine takes any n)
 
 
 @dataclass
@@ -97,7 +99,7 @@ CHOICES = {
     "parallel.placement_strategy": PLACEMENTS, "parallel.executor": EXECUTORS, "model.dtype": DTYPE_NAMES,
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
-            "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes",
+            "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes", "serve.max_n",
             "bench.rounds", "bench.num_prompts", "bench.output_len", "bench.serve_requests", "bench.max_output_len")
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 
-MAX_GROUPED_QUERY = 16  # ragged batches with queries up to this long attend per query length
+MAX_GROUPED_QUERY = 17  # ragged batches with queries up to this long (the last token + 16 drafts) attend per length
 
 
 @dataclass

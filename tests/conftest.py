@@ -12,7 +12,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cluster.config import Config, load_config  # noqa: E402
-from cluster.request import RequestParams  # noqa: E402
+from cluster.engine.request import RequestParams  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +38,8 @@ def tiny_config(*overrides: str) -> Config:
 
 def local_engine(cfg: Config):
     """A TP=1 engine in this process (no Ray)."""
-    from cluster.engine import Engine
-    from cluster.worker_group import LocalWorkerGroup
+    from cluster.engine.core import Engine
+    from cluster.engine.executor import LocalWorkerGroup
 
     return Engine(cfg, workers=LocalWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache))
 
@@ -55,7 +55,7 @@ def token_ids(results) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def sharegpt_prompts():
     """8 held-out ShareGPT first turns of mixed length (cut to 4..60 tokens)."""
-    from cluster.engine import load_tokenizer
+    from cluster.engine.core import load_tokenizer
     from models.config import ModelConfig
     from models.data import heldout_prompts
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine import Engine
+from cluster.engine.core import Engine
 from controller.time_model import TimeModel
 from tests.conftest import REFERENCE_TOKENS, greedy, local_engine, tiny_config, token_ids
 
@@ -20,7 +20,7 @@ PRUNING_MODEL = TimeModel(b0=1.0, b1=0.6, b2=0.0, d0=0.05, d1=0.001)
 def test_adaptive_greedy_equals_target_tp1(method, sharegpt_prompts, reference):
     engine = local_engine(tiny_config("parallel.tp_size=1", f"speculative.method={method}", *ADAPTIVE))
     try:
-        engine.profile.install(PRUNING_MODEL)
+        engine.time_models.install(PRUNING_MODEL)
         assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
         st = engine.stats
         assert st.verified < st.drafted, "the decision pruned nothing"
@@ -33,7 +33,7 @@ def test_adaptive_greedy_equals_target_tp1(method, sharegpt_prompts, reference):
 def test_adaptive_greedy_equals_target_tp2(method, ray_session, sharegpt_prompts, reference):
     engine = Engine(tiny_config("parallel.tp_size=2", f"speculative.method={method}", *ADAPTIVE))
     try:
-        engine.profile.install(PRUNING_MODEL)
+        engine.time_models.install(PRUNING_MODEL)
         assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
         assert engine.stats.verified < engine.stats.drafted
     finally:
@@ -56,7 +56,7 @@ def test_ranks_agree_through_refits(tp, ray_session, sharegpt_prompts, reference
                 if out.finished:
                     done[out.request_id] = out.token_ids
             if engine.stats.steps % 3 == 0:
-                versions.add(engine.profile.force_refit())
+                versions.add(engine.time_models.force_refit())
             versions.add(engine.time_model_version)
         assert len(versions) >= 2
         assert [done[f"req-{i}"] for i in range(n)] == [r[:tokens] for r in reference[:n]]
@@ -67,7 +67,7 @@ def test_ranks_agree_through_refits(tp, ray_session, sharegpt_prompts, reference
 def test_early_stop_skips_draft_steps(sharegpt_prompts, reference):
     engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
     try:
-        engine.profile.install(PRUNING_MODEL)
+        engine.time_models.install(PRUNING_MODEL)
         results = engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))
         assert token_ids(results) == reference
         st = engine.stats
@@ -81,7 +81,7 @@ def test_early_stop_skips_draft_steps(sharegpt_prompts, reference):
 def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts, reference):
     engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
     try:
-        engine.profile.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
+        engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
         assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
         st = engine.stats
         assert st.zero_budget_steps > 0.8 * st.decode_steps  # all but the periodic probes

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.bench.offline import run_bench
 from cluster.bench.stats import bootstrap_ci, ratio_summary
-from cluster.trace import read_trace
+from cluster.engine.trace import read_trace
 from tests.conftest import tiny_config
 
 ROUNDS = 2

@@ -6,7 +6,7 @@ import json
 
 from cluster.bench.serving import arm_overrides, run_sweep
 from cluster.config import ConfigError, load_config
-from cluster.trace import read_trace
+from cluster.engine.trace import read_trace
 from tests.conftest import TEST_SIZING
 
 ARMS = ["nospec", "static-3", "adaptive-3"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ConfigError, load_config
-from cluster.request import RequestError, RequestParams
+from cluster.engine.request import RequestError, RequestParams
 from tests.conftest import local_engine, tiny_config
 
 

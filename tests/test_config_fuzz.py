@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster import cli
+from cluster.entrypoints import cli
 from cluster.config import Config, ConfigError, load_config
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -115,7 +115,7 @@ class _Started(Exception):
 @pytest.fixture
 def no_engines(monkeypatch):
     """Commands run up to the point where they would start Ray or an engine."""
-    from cluster import common, generate
+    from cluster.entrypoints import common, generate
 
     def stop(*args, **kwargs):
         raise _Started

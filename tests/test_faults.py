@@ -3,7 +3,7 @@ still finishes with its undisturbed greedy output. The profile actor dies: worke
 their time model, the actor restarts and refits resume."""
 from __future__ import annotations
 
-from cluster.engine import Engine
+from cluster.engine.core import Engine
 from tests.conftest import greedy, tiny_config
 
 TOKENS = 16
@@ -32,7 +32,7 @@ def test_worker_death_is_survived(ray_session, sharegpt_prompts):
     try:
         reference, _ = _run(engine, prompts)
         got, streamed = _run(engine, prompts, kill_after_steps=engine.stats.steps + 4,
-                             kill=lambda e: ray.kill(e.workers.workers[1]))
+                             kill=lambda e: ray.kill(e.workers.actors[1]))
         assert engine.stats.recoveries == 1
         assert got == reference
         assert streamed == reference  # streams saw every token exactly once
@@ -46,14 +46,14 @@ def test_profile_actor_death_is_survived(ray_session, sharegpt_prompts):
     engine = Engine(tiny_config("parallel.tp_size=2", "speculative.adaptive.enabled=true",
                                 "speculative.adaptive.profile_on_start=false", "speculative.adaptive.refit_every=8"))
     try:
-        before = engine.profile.force_refit()
-        ray.kill(engine.profile.actor, no_restart=False)  # Ray restarts it
+        before = engine.time_models.force_refit()
+        ray.kill(engine.time_models.actor, no_restart=False)  # Ray restarts it
         got, _ = _run(engine, sharegpt_prompts[:4])
         assert all(len(g) == TOKENS for g in got)  # the engine carried on meanwhile
         # the restarted actor resumes from the version the workers hold, and refits go on
         for _ in range(3):
             _run(engine, sharegpt_prompts[:4])
-        after = engine.profile.force_refit()
+        after = engine.time_models.force_refit()
         assert after > before
         assert engine.time_model_version >= before
     finally:

@@ -62,7 +62,7 @@ def two_node_run() -> None:
     from ray.cluster_utils import Cluster
     from ray.util import placement_group_table
 
-    from cluster.engine import Engine
+    from cluster.engine.core import Engine
 
     temp = tempfile.mkdtemp(prefix="adaspec-2n-", dir="/tmp")
     cluster = Cluster(initialize_head=True, connect=True,
@@ -120,7 +120,7 @@ def test_ray_job_submit_generate():
     address = f"http://127.0.0.1:{dashboard}"
     try:
         submit = ray_cli("job", "submit", "--address", address, "--working-dir", ".", "--no-wait", "--",
-                         "python", "-m", "cluster.generate", "--config", "yamls/tiny.yaml", "--set",
+                         "python", "-m", "cluster.entrypoints.generate", "--config", "yamls/tiny.yaml", "--set",
                          "parallel.tp_size=1", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens",
                          str(MAX_TOKENS), "--ignore-eos", "--json")
         assert submit.returncode == 0, submit.stderr[-3000:]
@@ -152,7 +152,7 @@ def wait_for_job(address: str, job_id: str, timeout: float = 300) -> tuple[str, 
 def test_launch_serves_and_stops_on_sigint():
     port, temp = free_port(), tempfile.mkdtemp(prefix="adaspec-launch-", dir="/tmp")
     with tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "launch", "yamls/tiny.yaml", "--set",
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.entrypoints.cli", "launch", "yamls/tiny.yaml", "--set",
                                  "parallel.tp_size=1", "--set", f"cluster.temp_dir={temp}", "--port", str(port)],
                                 stdout=subprocess.PIPE, stderr=errors, text=True, env=env(), cwd=ROOT)
         try:

@@ -74,7 +74,7 @@ def _exact_distribution(target_dir) -> dict[tuple[int, ...], float]:
 
 
 def _sample(pair, k: int, estimator: str, fresh_bonus: bool = False) -> list[tuple[int, ...]]:
-    from cluster.request import RequestParams
+    from cluster.engine.request import RequestParams
 
     cfg = tiny_config("parallel.tp_size=1", f"model.target={pair / 'target'}", f"model.draft={pair / 'draft'}",
                       "speculative.method=draft_model", f"speculative.num_speculative_tokens={k}",
@@ -83,7 +83,7 @@ def _sample(pair, k: int, estimator: str, fresh_bonus: bool = False) -> list[tup
                       "cache.kv_tokens=32768", "engine.max_num_seqs=1024", f"engine.max_waiting={SAMPLES}")
     engine = local_engine(cfg)
     try:
-        engine.profile.install(TIME_MODEL)
+        engine.time_models.install(TIME_MODEL)
         engine.workers.worker.runner.fresh_bonus = fresh_bonus
         for seed in range(SAMPLES):
             engine.add_request(PROMPT, RequestParams(max_tokens=GENERATED, temperature=1.0, seed=seed, ignore_eos=True))

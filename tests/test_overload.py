@@ -33,8 +33,8 @@ def test_kv_pressure_preempts_and_recomputes(sharegpt_prompts):
 
 
 def test_full_waiting_queue_is_refused_with_429():
-    from cluster.request import QueueFullError, RequestParams
-    from cluster.serve import request_error
+    from cluster.engine.request import QueueFullError, RequestParams
+    from cluster.serving.protocol import request_error
 
     engine = local_engine(tiny_config("parallel.tp_size=1", "engine.max_waiting=2"))
     try:

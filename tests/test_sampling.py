@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from cluster.engine import Engine
-from cluster.request import RequestParams
+from cluster.engine.core import Engine
+from cluster.engine.request import RequestParams
 from tests.conftest import local_engine, tiny_config
 from workers.plan import SamplingParams
 from workers.sampler import draft_sample, rejection_accept
@@ -83,3 +83,27 @@ def test_n_samples_prefill_the_prompt_once(sharegpt_prompts, reference):
     finally:
         alone.shutdown()
     assert all(len(set(map(tuple, samples))) > 1 for samples in got)  # the samples differ from each other
+
+
+def test_a_request_without_a_seed_gets_one_reported_that_reproduces_it(sharegpt_prompts):
+    """The drawn seed is reported; sending it back gives the same text (static k). Seeds come
+    from the OS, not from hash(request_id), which PYTHONHASHSEED changes."""
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.num_speculative_tokens=3"))
+    try:
+        unseeded = dataclasses.replace(SAMPLED, seed=None, max_tokens=12)
+        first, second = (engine.generate(sharegpt_prompts[:1], unseeded)[0][0] for _ in range(2))
+        assert isinstance(first.seed, int) and first.seed != second.seed
+        again = engine.generate(sharegpt_prompts[:1], dataclasses.replace(unseeded, seed=first.seed))[0][0]
+        assert again.seed == first.seed and again.token_ids == first.token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_the_offline_engine_takes_more_than_sixteen_samples(sharegpt_prompts):
+    """16 is the HTTP server's limit (serve.max_n), not the engine's."""
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.num_speculative_tokens=3"))
+    try:
+        outs = engine.generate(sharegpt_prompts[:1], dataclasses.replace(SAMPLED, n=20, max_tokens=4))[0]
+        assert [o.sample_index for o in outs] == list(range(20)) and len({tuple(o.token_ids) for o in outs}) > 1
+    finally:
+        engine.shutdown()

@@ -65,7 +65,7 @@ def expected():
 def base_url(ray_session):
     from ray import serve
 
-    from cluster.serve import build_app
+    from cluster.serving.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -250,7 +250,7 @@ def test_metrics(base_url, client):
 
 
 def test_app_arguments_are_checked():
-    from cluster.serve import build_app
+    from cluster.serving.app import build_app
 
     with pytest.raises(ConfigError, match="unknown application argument 'confg'"):
         build_app({"confg": "yamls/tiny.yaml"})
@@ -261,15 +261,16 @@ def test_app_arguments_are_checked():
 
 
 def test_stream_deltas_hold_back_what_may_change():
-    from cluster.request import RequestOutput
-    from cluster.serve import SSEState
+    from cluster.engine.request import RequestOutput
+    from cluster.serving.protocol import SSEState
 
     state = SSEState("text", "cmpl-1", MODEL, 0, 1, ("\n\nUser:",), False)
     texts = ["Sure", "Sure, caf\ufffd", "Sure, café\n", "Sure, café\n\nUs", "Sure, café"]
     chunks = []
     for i, text in enumerate(texts):
         final = i == len(texts) - 1
-        out = RequestOutput("r", 0, [1], [2] * (i + 1), text, final, "stop" if final else None, [2])
+        out = RequestOutput(request_id="r", sample_index=0, prompt_ids=[1], token_ids=[2] * (i + 1), text=text,
+                            finished=final, finish_reason="stop" if final else None, new_token_ids=[2])
         chunks += [json.loads(c.removeprefix("data: ")) for c in state.update(out)]
     deltas = [c["choices"][0]["text"] for c in chunks]
     assert deltas == ["Sure", ", caf", "é", ""] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -278,8 +279,8 @@ def test_stream_deltas_hold_back_what_may_change():
 def test_async_engine_batches_concurrent_requests(expected):
     import asyncio
 
-    from cluster.async_engine import AsyncEngine
-    from cluster.request import RequestError, RequestParams
+    from cluster.serving.async_engine import AsyncEngine
+    from cluster.engine.request import RequestError, RequestParams
 
     engine = local_engine(tiny_config(*SERVER_SETTINGS))
     running: list[int] = []
@@ -409,3 +410,19 @@ def test_worker_death_mid_stream_is_survived(base_url, client):
     _, metrics = http(base_url, "/metrics")
     assert "adaspec_worker_recoveries_total 1.0" in metrics
     assert client.completions.create(prompt=prompts[0], **kw).choices[0].text == reference[0]  # still serving
+
+
+def test_served_model_name_follows_the_checkpoint(tmp_path):
+    """serve.model_name when set; else the checkpoint directory's name (adaspec-tiny for the bundled pair)."""
+    import shutil
+
+    from cluster.serving.app import served_model_name
+    from models.config import TINY_DIR
+    from tests.conftest import tiny_config
+
+    other = tmp_path / "my-llama-7b"
+    shutil.copytree(TINY_DIR / "target", other)
+    assert served_model_name(tiny_config()) == "adaspec-tiny"
+    assert served_model_name(tiny_config(f"model.target={other}")) == "my-llama-7b"
+    assert served_model_name(tiny_config(f"model.target={other}", "serve.model_name=prod")) == "prod"
+

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine import Engine
+from cluster.engine.core import Engine
 from tests.conftest import REFERENCE_TOKENS, greedy, local_engine, tiny_config, token_ids
 
 MAX_TOKENS = REFERENCE_TOKENS

@@ -22,6 +22,11 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position
 _MASK64 = (1 << 64) - 1
 
 
+def sample_seed(request_seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request: n samples of one request draw apart."""
+    return ((request_seed * _SEED_MIX) ^ (sample_index * 0xD6E8FEB86659FD93)) & ((1 << 63) - 1)
+
+
 def generator_for(seed: int, position: int, stream: int) -> torch.Generator:
     """Deterministic generator for one draw of one sequence; `stream` separates draws at
     the same position (draft sample, accept test, residual)."""

@@ -70,13 +70,17 @@ class TPWorker:
     def step(self, plan: StepPlan) -> StepResult:
         return self.runner.step(plan)
 
-    def profile(self, kind: str, n: int, q: int, ctx: int, runs: int) -> float:
-        """Time one sweep point (all ranks run it together; rank 0's clock is reported)."""
-        from workers import profiler
+    def validate_ms(self, n: int, q: int, ctx: int, runs: int) -> float:
+        """Time a validate forward for the startup sweep (every rank runs it together)."""
+        from workers import timing
 
-        if kind == "validate":
-            return profiler.validate_ms(self.runner, n, q, ctx, runs)
-        return profiler.draft_step_ms(self.runner, n, ctx, runs)
+        return timing.validate_ms(self.runner, n, q, ctx, runs)
+
+    def draft_step_ms(self, n: int, ctx: int, runs: int) -> float:
+        """Time one draft step for the startup sweep (every rank runs it together)."""
+        from workers import timing
+
+        return timing.draft_step_ms(self.runner, n, ctx, runs)
 
     def install_time_model(self, model: TimeModel) -> int:
         """A refit from the profile registry; the acknowledgement is the version."""

@@ -25,6 +25,7 @@ nospec must have an interval that contains 1.0 (`control_ok`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import sys
@@ -35,9 +36,9 @@ from tqdm import tqdm
 
 from cluster.bench.arms import Arm, Round, WaveResult
 from cluster.bench.results import build_result, write_outputs
-from cluster.common import add_config_args, config_from_args
-from cluster.engine import Engine
-from cluster.request import RequestParams
+from cluster.entrypoints.common import add_config_args, config_from_args
+from cluster.engine.core import Engine
+from cluster.engine.request import RequestParams
 
 
 def arm_name(policy: str, k: int, batch: int, several: bool) -> str:
@@ -192,7 +193,7 @@ def run_bench(cfg, out_dir: Path, trace: str | None = None) -> dict:
                     runners[a.name] = peer
             plan[b] = run_rounds(group, runners, prompts, refs, bench, b)
             arms += group
-        time_model = engine.profile.report() if engine.profile else None
+        time_model = dataclasses.asdict(engine.time_models.report()) if engine.time_models else None
     finally:
         engine.shutdown()
         if vllm is not None:
@@ -221,7 +222,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.ray_env import ensure_ray
+    from cluster.engine.ray_env import ensure_ray
 
     cfg = config_from_args(args)
     if not cfg.speculative.enabled or not cfg.speculative.adaptive.enabled:
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.common import run_cli
+    from cluster.entrypoints.common import run_cli
 
     return run_cli(run, build_parser().parse_args(argv))
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from cluster.bench.load import RequestResult, RequestSpec, run_load
 from cluster.bench.vllm_peer import SETTLE_S
-from cluster.common import add_config_args, config_from_args
+from cluster.entrypoints.common import add_config_args, config_from_args
 from cluster.config import ConfigError
 
 WARMUP_REQUESTS = 8
@@ -120,8 +120,8 @@ class OurServers:
     def __init__(self, cfg, config: str | None, overrides: list[str], arms: list[str], trace: str | None):
         from ray import serve
 
-        from cluster.ray_env import ensure_ray
-        from cluster.serve import build_app, resolve_config_path
+        from cluster.engine.ray_env import ensure_ray
+        from cluster.serving.app import build_app, resolve_config_path, served_model_name
         from workers.worker import free_port
 
         self.started_ray = ensure_ray(cfg)
@@ -136,7 +136,7 @@ class OurServers:
                 extra += [f"engine.trace_path={t.with_name(f'{t.stem}.{arm}{t.suffix}')}", f"engine.trace_label={arm}"]
             serve.run(build_app({"config": config, "overrides": list(overrides) + extra}), name=arm,
                       route_prefix=f"/{arm}", blocking=False)
-            self.targets.append(Target(arm, f"http://127.0.0.1:{port}/{arm}", cfg.serve.model_name))
+            self.targets.append(Target(arm, f"http://127.0.0.1:{port}/{arm}", served_model_name(cfg)))
 
     def close(self) -> None:
         import ray
@@ -169,7 +169,7 @@ def vllm_servers(cfg, out_dir: Path) -> list:
 
 def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url: str | None = None,
               trace: str | None = None) -> dict:
-    from cluster.engine import load_tokenizer
+    from cluster.engine.core import load_tokenizer
 
     bench, started = cfg.bench, time.perf_counter()
     specs = workload(load_tokenizer(cfg.model.target), bench)
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.common import run_cli
+    from cluster.entrypoints.common import run_cli
 
     return run_cli(run, build_parser().parse_args(argv))
 

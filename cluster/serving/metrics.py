@@ -7,16 +7,14 @@ validate-time model's error).
 """
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from cluster.request import RequestOutput
+from cluster.engine.request import RequestOutput
 
-log = logging.getLogger("adaspec.metrics")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -117,18 +115,13 @@ class _EngineCollector:
         yield from self._time_model()
 
     def _time_model(self):
-        profile = self.metrics.async_engine.engine.profile
-        if profile is None:
+        link = self.metrics.async_engine.engine.time_models
+        if link is None:
             return
-        try:
-            report = profile.report()
-        except Exception as e:  # noqa: BLE001 - a scrape must not fail on the profile actor
-            log.warning("time model report unavailable: %s", e)
-            return
-        yield _gauge("adaspec_time_model_version", "Validate-time model version in use", report["version"])
-        if report.get("mape") is not None:
-            yield _gauge("adaspec_time_model_mape", "Validate-time model mean absolute percentage error",
-                         report["mape"])
+        report = link.report()  # the link's last known state: a scrape never waits on the profile actor
+        yield _gauge("adaspec_time_model_version", "Validate-time model version in use", report.version)
+        if report.mape is not None:
+            yield _gauge("adaspec_time_model_mape", "Validate-time model mean absolute percentage error", report.mape)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

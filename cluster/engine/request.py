@@ -9,7 +9,12 @@ from workers.plan import SamplingParams
 
 
 class RequestError(ValueError):
-    """A request is malformed; the message says which field and why."""
+    """A request is malformed; the message says why, `param` names the field (None when
+    it is about the request as a whole)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFullError(RequestError):
@@ -18,7 +23,6 @@ class QueueFullError(RequestError):
     retry_after_s = 1
 
 
-MAX_N = 16  # samples per request
 MAX_STOP, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
 
 
@@ -35,17 +39,18 @@ class RequestParams:
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k!r}")
-        if not 1 <= self.n <= MAX_N:
-            raise RequestError(f"n must be in 1..{MAX_N}, got {self.n!r}")
+            raise RequestError(f"top_k must be >= 0, got {self.top_k!r}", "top_k")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n must be a positive integer, got {self.n!r}", "n")
         if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise RequestError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
+            raise RequestError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each",
+                               "stop")
 
 
 class Status(enum.Enum):
@@ -62,6 +67,7 @@ class Sequence:
     prompt_ids: list[int]
     params: RequestParams
     sampling: SamplingParams
+    seed: int | None = None  # the request's seed (drawn for it when it gave none)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_prefilled: int = 0  # tokens of prefill_ids already sent for prefill
@@ -92,7 +98,7 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestOutput:
     request_id: str
     sample_index: int
@@ -102,6 +108,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     new_token_ids: list[int]
+    seed: int | None = None  # the request's seed, so a sampled output can be reproduced
     steps: int = 0
     drafted: int = 0
     verified: int = 0

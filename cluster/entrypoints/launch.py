@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.common import add_config_args
-from cluster.serve_cli import Serving, add_http_args, http_overrides, print_endpoints, serve_until_signal
+from cluster.entrypoints.common import add_config_args
+from cluster.entrypoints.serve import Serving, add_http_args, http_overrides, print_endpoints, serve_until_signal
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.common import run_cli
+    from cluster.entrypoints.common import run_cli
 
     return run_cli(run, build_parser().parse_args(argv))
 

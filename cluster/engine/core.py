@@ -7,20 +7,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
 from cluster.config import Config
-from cluster.request import QueueFullError, RequestError, RequestOutput, RequestParams, Sequence, Status
-from cluster.scheduler import Scheduler
-from cluster.trace import TraceWriter
+from cluster.engine.executor import make_worker_group
+from cluster.engine.request import QueueFullError, RequestError, RequestOutput, RequestParams, Sequence, Status
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.time_model_link import TimeModelLink, make_time_model_link
+from cluster.engine.trace import TraceWriter
 from controller.policy import MODES
 from controller.registry import StepSample
 from controller.time_model import TimeModel
 from workers.plan import SamplingParams, StepResult, StepStats
+from workers.sampler import sample_seed
 from workers.worker import check_model_dirs
 
 log = logging.getLogger("adaspec.engine")
+SEED_BITS = 63  # a request without a seed gets one drawn from the OS
 
 
 class RankDivergenceError(RuntimeError):
@@ -78,9 +83,10 @@ class Engine:
         self.workers = workers if workers is not None else make_worker_group(cfg)
         self.scheduler = Scheduler(cfg.cache.num_blocks, cfg.cache.block_size, cfg.engine.max_num_seqs,
                                    cfg.engine.max_prefill_tokens, cfg.speculative.k, self.max_model_len)
-        self.profile = self._start_profile() if cfg.speculative.adaptive.enabled and cfg.speculative.enabled else None
-        self.time_model_version = self.profile.version if self.profile else 0
-        self.mode = "adaptive" if self.profile else "static"
+        adaptive = cfg.speculative.adaptive.enabled and cfg.speculative.enabled
+        self.time_models: TimeModelLink | None = self._start_time_models() if adaptive else None
+        self.time_model_version = self.time_models.report().version if self.time_models else 0
+        self.mode = "adaptive" if self.time_models else "static"
         self.seqs: dict[int, Sequence] = {}
         self.stats = EngineStats()
         self._failures = 0  # consecutive worker-group recoveries without a completed step
@@ -88,19 +94,16 @@ class Engine:
         self._requests = itertools.count()
         self.tracer = TraceWriter(cfg.engine.trace_path, cfg.engine.trace_label) if cfg.engine.trace_path else None
 
-    def _start_profile(self):
+    def _start_time_models(self) -> TimeModelLink:
         """Time model v1 from the startup sweep (or its cache), installed on every rank,
-        and the registry that refits it online."""
-        from cluster.profile import load_or_profile
-        from cluster.profile_actor import LocalProfileLink, RayProfileLink
-        from cluster.worker_group import LocalWorkerGroup
+        and the link to the registry that refits it online."""
+        from cluster.engine.sweep import load_or_sweep
 
         adaptive = self.cfg.speculative.adaptive
-        model, samples = load_or_profile(self.workers, self.cfg) if adaptive.profile_on_start else (TimeModel(1), [])
+        model, samples = load_or_sweep(self.workers, self.cfg) if adaptive.profile_on_start else (TimeModel(1), [])
         model = dataclasses.replace(model, version=1)
-        self.workers.call("install_time_model", model)
-        link = LocalProfileLink if isinstance(self.workers, LocalWorkerGroup) else RayProfileLink
-        return link(adaptive.refit_every, model, samples, self.workers)
+        self.workers.install_time_model(model)
+        return make_time_model_link(self.workers, adaptive.refit_every, model, samples)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None,
@@ -108,20 +111,20 @@ class Engine:
         params.validate()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise RequestError("prompt is empty")
+            raise RequestError("prompt is empty", "prompt")
         if any(not 0 <= t < self.arch.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+            raise RequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})", "prompt")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together more "
-                               f"than the context length {self.max_model_len}")
+                               f"than the context length {self.max_model_len}", "prompt")
         if len(self.scheduler.waiting) >= self.cfg.engine.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.cfg.engine.max_waiting} requests); retry later")
         request_id = request_id or f"req-{next(self._requests)}"
-        base_seed = params.seed if params.seed is not None else hash(request_id) & 0x7FFFFFFF
+        seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)  # reported in the outputs
         samples = []
         for i in range(params.n):
-            sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=base_seed * 7919 + i)
-            seq = Sequence(next(self._ids), request_id, i, ids, params, sampling, oracle_ids=oracle_ids)
+            sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=sample_seed(seed, i))
+            seq = Sequence(next(self._ids), request_id, i, ids, params, sampling, seed=seed, oracle_ids=oracle_ids)
             self.seqs[seq.seq_id] = seq
             samples.append(seq)
         samples[0].forks = samples[1:]  # prefilled once: the others fork from sample 0's prompt
@@ -130,12 +133,12 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer: send token ids")
+            raise RequestError("this model has no tokenizer: send token ids", "prompt")
         return self.tokenizer(text)["input_ids"]
 
     def set_mode(self, mode: str) -> None:
         """Speculation mode of the following steps: static, adaptive or oracle."""
-        if mode == "adaptive" and self.profile is None:
+        if mode == "adaptive" and self.time_models is None:
             raise ValueError("adaptive mode needs speculative.adaptive.enabled=true (it starts the profile registry)")
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -157,8 +160,8 @@ class Engine:
         if scheduled is None:
             return []
         plan, seqs = scheduled
-        if self.profile is not None:
-            self.time_model_version = self.profile.poll(plan.step)
+        if self.time_models is not None:
+            self.time_model_version = self.time_models.poll(plan.step)
         plan.time_model_version, plan.mode = self.time_model_version, self.mode
         plan.trace = plan.decode and self.tracer is not None
         t0 = time.perf_counter()
@@ -180,8 +183,8 @@ class Engine:
                       "(predicted %.2f, model v%d)", plan.step, st.num_seqs, st.draft_steps,
                       sum(st.verified_per_position), st.accepted_per_position, st.validate_ms,
                       st.predicted_validate_ms, plan.time_model_version)
-        if self.profile is not None and plan.decode:
-            self.profile.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
+        if self.time_models is not None and plan.decode:
+            self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
                                             st.draft_steps, st.draft_ms)])
         by_id = {s.seq_id: s for s in seqs}
         updates = []
@@ -216,8 +219,8 @@ class Engine:
             log.debug("old worker group shutdown failed", exc_info=True)
         self.workers = make_worker_group(self.cfg)
         self.scheduler.requeue_all()
-        if self.profile is not None:
-            self.time_model_version = self.profile.rebind(self.workers)
+        if self.time_models is not None:
+            self.time_model_version = self.time_models.rebind(self.workers)
 
     def _check_digests(self, step: int, results: list[StepResult]) -> None:
         every = self.cfg.engine.digest_every
@@ -253,9 +256,11 @@ class Engine:
             del self.seqs[seq.seq_id]
         self.stats.emitted += len(new)
         tpot = 1e3 * (now - seq.first_token_time) / max(len(seq.output_ids) - 1, 1)
-        return RequestOutput(seq.request_id, seq.sample_index, seq.prompt_ids, list(seq.output_ids), seq.text,
-                             seq.status is Status.FINISHED, seq.finish_reason, new, seq.steps, seq.drafted,
-                             seq.verified, seq.accepted, seq.first_token_time - seq.arrival, tpot)
+        return RequestOutput(request_id=seq.request_id, sample_index=seq.sample_index, prompt_ids=seq.prompt_ids,
+                             token_ids=list(seq.output_ids), text=seq.text, finished=seq.status is Status.FINISHED,
+                             finish_reason=seq.finish_reason, new_token_ids=new, seed=seq.seed, steps=seq.steps,
+                             drafted=seq.drafted, verified=seq.verified, accepted=seq.accepted,
+                             ttft_s=seq.first_token_time - seq.arrival, tpot_ms=tpot)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -302,15 +307,3 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def make_worker_group(cfg: Config):
-    """The ranks: Ray actors in a placement group, or (parallel.executor, TP=1) this process."""
-    from cluster.worker_group import LocalWorkerGroup, RayWorkerGroup
-
-    if cfg.parallel.in_process:
-        return LocalWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache)
-    from cluster.ray_env import ensure_ray
-
-    ensure_ray(cfg)
-    return RayWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache)

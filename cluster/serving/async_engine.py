@@ -1,7 +1,7 @@
 """AsyncEngine: one Engine, one background thread stepping it, and an asyncio stream of
 `RequestOutput` updates per request. Concurrent requests join the same continuous batch.
 
-    python -c "import asyncio; from cluster.async_engine import demo; asyncio.run(demo())"
+    python -c "import asyncio; from cluster.serving.async_engine import demo; asyncio.run(demo())"
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from cluster.request import RequestOutput, RequestParams
+from cluster.engine.request import RequestOutput, RequestParams
 
 log = logging.getLogger("adaspec.async_engine")
 IDLE_WAIT_S = 0.005  # pause when the engine has work but could schedule nothing
@@ -176,8 +176,8 @@ def _put(stream: RequestStream, item) -> None:
 async def demo() -> None:
     """Two concurrent greedy requests on a TP=1 in-process engine."""
     from cluster.config import load_config
-    from cluster.engine import Engine
-    from cluster.worker_group import LocalWorkerGroup
+    from cluster.engine.core import Engine
+    from cluster.engine.executor import LocalWorkerGroup
 
     cfg = load_config("yamls/tiny.yaml", ["parallel.tp_size=1"])
     engine = AsyncEngine(Engine(cfg, workers=LocalWorkerGroup(cfg.model, cfg.speculative, cfg.parallel, cfg.cache)))

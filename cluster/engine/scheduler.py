@@ -10,44 +10,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from cluster.request import Sequence, Status
+from cluster.engine.blocks import BlockAllocator
+from cluster.engine.request import Sequence, Status
 from workers.plan import ForkPlan, SeqPlan, StepPlan
 
 
-class BlockAllocator:
-    """Cache blocks with reference counts: forked samples share their prompt's full blocks."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
-        self.free_blocks = deque(range(num_blocks))
-        self.refs = [0] * num_blocks
-
-    def blocks_for(self, positions: int) -> int:
-        return -(-positions // self.block_size)
-
-    def grow(self, seq: Sequence, positions: int) -> bool:
-        """Make `seq.block_table` cover `positions` positions; False if blocks ran out."""
-        need = self.blocks_for(positions) - len(seq.block_table)
-        if need > len(self.free_blocks):
-            return False
-        for _ in range(max(0, need)):
-            block = self.free_blocks.popleft()
-            self.refs[block] = 1
-            seq.block_table.append(block)
-        return True
-
-    def share(self, seq: Sequence, blocks: list[int]) -> None:
-        """`seq` starts with `blocks`, which another sequence holds too (read-only)."""
-        for block in blocks:
-            self.refs[block] += 1
-        seq.block_table = list(blocks)
-
-    def release(self, seq: Sequence) -> None:
-        for block in seq.block_table:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.free_blocks.append(block)
-        seq.block_table = []
+def decode_positions(seq_len: int, k: int) -> int:
+    """Cache positions a decode step of a sequence of seq_len tokens may write: its last
+    token (not in the cache yet) at seq_len - 1, then up to k drafts after it (validation
+    writes the kept ones, the proposers their own caches at the same positions)."""
+    return seq_len + k
 
 
 class Scheduler:
@@ -84,7 +56,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.grow(seq, len(seq.prefill_ids) + self.num_spec + 2):
+            # after its prefill the sequence holds one more token: the one the prefill emits
+            if not self.blocks.grow(seq, decode_positions(len(seq.prefill_ids) + 1, self.num_spec)):
                 break
             self.waiting.popleft()
             seq.status, seq.num_prefilled, seq.prefill_len = Status.RUNNING, 0, len(seq.prefill_ids)
@@ -122,7 +95,8 @@ class Scheduler:
         forked, queued = [], []
         for child in parent.forks:
             self.blocks.share(child, shared)
-            if len(self.running) < self.max_num_seqs and self.blocks.grow(child, prompt + self.num_spec + 2):
+            if len(self.running) < self.max_num_seqs and self.blocks.grow(child,
+                                                                           decode_positions(prompt + 1, self.num_spec)):
                 child.status, child.num_prefilled, child.prefill_len = Status.RUNNING, prompt, prompt
                 self.running.append(child)
                 forked.append(child)
@@ -154,7 +128,7 @@ class Scheduler:
         """Blocks for seq's next step (drafting runs the batch's largest k for every
         sequence, so cover k for all), preempting the youngest until they fit. False if
         seq itself had to go."""
-        while not self.blocks.grow(seq, seq.total_len + self.num_spec + 1):
+        while not self.blocks.grow(seq, decode_positions(seq.total_len, self.num_spec)):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:

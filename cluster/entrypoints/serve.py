@@ -5,7 +5,7 @@ and the app; prints the endpoints and waits. SIGINT/SIGTERM shut Serve down, and
 instance too when this command started it.
 
     adaspec serve --config yamls/tiny.yaml --port 8000 --api-key sk-local
-    python -m cluster.serve_cli --config yamls/tiny.yaml --set parallel.tp_size=1
+    python -m cluster.entrypoints.serve --config yamls/tiny.yaml --set parallel.tp_size=1
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from cluster.common import add_config_args
+from cluster.entrypoints.common import add_config_args
 from cluster.config import Config, load_config
 
 APP_NAME = "adaspec"
@@ -57,8 +57,8 @@ def start(config: str | None, overrides: list[str]) -> Serving:
     """Ray (embedded unless cluster.address is set), Serve's proxy, and the app, running."""
     from ray import serve
 
-    from cluster.ray_env import ensure_ray
-    from cluster.serve import build_app, resolve_config_path
+    from cluster.engine.ray_env import ensure_ray
+    from cluster.serving.app import build_app, resolve_config_path
 
     config = resolve_config_path(config)
     cfg = load_config(config, overrides)
@@ -85,8 +85,10 @@ def stop(serving: Serving) -> None:
 
 
 def print_endpoints(serving: Serving) -> None:
+    from cluster.serving.app import served_model_name
+
     cfg, url = serving.cfg, serving.url
-    print(f"adaspec: serving {cfg.serve.model_name!r} (TP={cfg.parallel.tp_size}, {cfg.parallel.device}) at {url}")
+    print(f"adaspec: serving {served_model_name(cfg)!r} (TP={cfg.parallel.tp_size}, {cfg.parallel.device}) at {url}")
     print(f"  POST {url}/v1/completions   POST {url}/v1/chat/completions   GET {url}/v1/models")
     print(f"  GET  {url}/health   GET {url}/metrics" + ("   (API key required)" if cfg.serve.api_key else ""))
     print("  Ctrl-C to stop", flush=True)
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.common import run_cli
+    from cluster.entrypoints.common import run_cli
 
     return run_cli(run, build_parser().parse_args(argv))
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster import acceptance, generate, launch, profile, serve_cli
+from cluster.entrypoints import acceptance, generate, launch, profile
+from cluster.entrypoints import serve as serve_cli
 from cluster.bench import offline as bench
 from cluster.bench import serving as bench_serve
 
@@ -13,7 +14,7 @@ COMMANDS = {"generate": generate, "bench": bench, "bench-serve": bench_serve, "p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.common import run_cli
+    from cluster.entrypoints.common import run_cli
 
     parser = argparse.ArgumentParser(prog="adaspec", description="Adaptive speculative decoding on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,6 +1,6 @@
 """`adaspec generate`: run prompts through the engine and print the outputs.
 
-    python -m cluster.generate --config yamls/tiny.yaml --prompt "Tell me about Ray." --json
+    python -m cluster.entrypoints.generate --config yamls/tiny.yaml --prompt "Tell me about Ray." --json
 """
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import argparse
 import json
 import sys
 
-from cluster.common import add_config_args, config_from_args, open_engine
-from cluster.request import RequestParams
+from cluster.entrypoints.common import add_config_args, config_from_args, open_engine, stdout_to_stderr
+from cluster.engine.request import RequestParams
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -47,25 +47,29 @@ def run(args: argparse.Namespace) -> int:
                            n=args.n)
     params.validate()  # refuse bad arguments before any worker starts
     cfg = config_from_args(args)
-    with open_engine(args, cfg) as engine:
-        results = engine.generate(prompts, params)
-        tp_size = engine.cfg.parallel.tp_size
-    if args.json:
-        outputs = [{"prompt": prompt, "prompt_token_ids": o.prompt_ids, "token_ids": o.token_ids, "text": o.text,
-                    "finish_reason": o.finish_reason, "steps": o.steps, "drafted": o.drafted,
-                    "verified": o.verified, "accepted": o.accepted}
-                   for prompt, samples in zip(prompts, results) for o in samples]
-        json.dump({"tp_size": tp_size, "outputs": outputs}, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        for prompt, samples in zip(prompts, results):
-            for o in samples:
-                print(f"--- {prompt!r}\n{o.text}\n")
+    with stdout_to_stderr() as out:  # Ray's own messages must not mix with the outputs
+        with open_engine(args, cfg) as engine:
+            results = engine.generate(prompts, params)
+        write_outputs(out, args.json, cfg.parallel.tp_size, prompts, results)
     return 0
 
 
+def write_outputs(out, as_json: bool, tp_size: int, prompts: list[str], results) -> None:
+    if as_json:
+        outputs = [{"prompt": prompt, "prompt_token_ids": o.prompt_ids, "token_ids": o.token_ids, "text": o.text,
+                    "finish_reason": o.finish_reason, "seed": o.seed, "steps": o.steps, "drafted": o.drafted,
+                    "verified": o.verified, "accepted": o.accepted}
+                   for prompt, samples in zip(prompts, results) for o in samples]
+        json.dump({"tp_size": tp_size, "outputs": outputs}, out)
+        out.write("\n")
+        return
+    for prompt, samples in zip(prompts, results):
+        for o in samples:
+            out.write(f"--- {prompt!r}\n{o.text}\n\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from cluster.common import run_cli
+    from cluster.entrypoints.common import run_cli
 
     return run_cli(run, build_parser().parse_args(argv))
 

@@ -1,6 +1,6 @@
 """Greedy draft acceptance per position on held-out ShareGPT prompts.
 
-    python -m cluster.acceptance --config yamls/tiny.yaml --set parallel.tp_size=1 --set speculative.method=mtp
+    python -m cluster.entrypoints.acceptance --config yamls/tiny.yaml --set parallel.tp_size=1 --set speculative.method=mtp
 
 Runs static k (all drafts verified), so position j's rate is P(draft j accepted | drafts
 before it accepted), the number the pruning decision estimates.
@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 
-from cluster.common import add_config_args, open_engine
-from cluster.request import RequestParams
+from cluster.entrypoints.common import add_config_args, open_engine
+from cluster.engine.request import RequestParams
 from models.data import heldout_prompts
 
 
@@ -52,7 +52,7 @@ def acceptance_length(outputs) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.common import run_cli
+    from cluster.entrypoints.common import run_cli
 
     return run_cli(run, build_parser().parse_args(argv))
 

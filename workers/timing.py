@@ -19,7 +19,7 @@ def _fake_seqs(runner: ModelRunner, n: int, positions: int) -> list[SeqState]:
     total_blocks = runner.cache[0][0].shape[0] // runner.block_size
     if n * per_seq > total_blocks:
         raise ValueError(f"profile point n={n} x {positions} positions does not fit the KV cache")
-    gen = torch.Generator().manual_seed(n * 7919 + positions)
+    gen = torch.Generator().manual_seed(n * 1_000_003 + positions)  # fixed random tokens per probe shape
     vocab = runner.target.arch.vocab_size
     return [SeqState(-1 - i, torch.randint(0, vocab, (positions,), generator=gen).tolist(),
                      list(range(i * per_seq, (i + 1) * per_seq))) for i in range(n)]

@@ -1,0 +1,211 @@
+"""OpenAI-compatible HTTP serving on Ray Serve: `/v1/completions`, `/v1/chat/completions`
+(SSE streaming), `/v1/models`, `/health`, `/metrics`. One replica drives one Engine,
+whose TP worker actors it starts inside the running Ray.
+
+    serve run yamls/serve.yaml                                     # Serve's own CLI
+    adaspec serve --config yamls/tiny.yaml --port 8000             # the same, as a command
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import StarletteHTTPException
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+
+from cluster.config import Config, ConfigError, load_config
+from cluster.engine.request import RequestError, RequestOutput
+from cluster.serving.async_engine import AsyncEngine, EngineDeadError
+from cluster.serving.protocol import (APIError, ChatBody, CompletionBody, SSEState, chat_prompt, completion_prompt,
+                                      error_body, parse_body, request_error, response_body)
+from models.config import TINY_DIR
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUNDLED_NAME = "adaspec-tiny"  # the bundled pair's served name
+UNAUTHENTICATED = ("/health",)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def served_model_name(cfg: Config) -> str:
+    """serve.model_name, else the checkpoint directory's name (adaspec-tiny for the bundled pair)."""
+    if cfg.serve.model_name:
+        return cfg.serve.model_name
+    target = Path(cfg.model.target).resolve()
+    return BUNDLED_NAME if target == (TINY_DIR / "target").resolve() else target.name
+
+
+@dataclass
+class ServerArgs:
+    """The application's arguments (`args:` in yamls/serve.yaml)."""
+
+    config: str | None = None  # YAML config path, relative to the working directory or the repository
+    overrides: list[str] = field(default_factory=list)  # `key.path=value`, as --set
+    num_cpus: float = 0.0  # Ray CPUs of the replica itself (the TP ranks reserve their own)
+
+    @classmethod
+    def from_dict(cls, args: dict | None) -> "ServerArgs":
+        args, allowed = dict(args or {}), cls.__dataclass_fields__
+        for key in args.keys() - allowed:
+            raise ConfigError(f"unknown application argument {key!r}; allowed: {', '.join(allowed)}")
+        overrides = args.get("overrides") or []
+        if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+            raise ConfigError(f"application argument overrides must be a list of key=value strings, got {overrides!r}")
+        return cls(resolve_config_path(args.get("config")), overrides, float(args.get("num_cpus", 0.0)))
+
+
+def resolve_config_path(path: str | None) -> str | None:
+    """An absolute path, so a replica finds the file whatever its working directory."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    for candidate in (p, REPO_ROOT / p):
+        if candidate.is_file():
+            return str(candidate.resolve())
+    raise ConfigError(f"config file {path!r} does not exist (looked in {Path.cwd()} and {REPO_ROOT})")
+
+
+@serve.deployment(name="adaspec", ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
+@serve.ingress()
+class OpenAIServer:
+    """The replica: an Engine (TP workers as Ray actors), its loop thread and the routes."""
+
+    def __init__(self, config: str | None, overrides: list[str]):
+        from cluster.engine.core import Engine
+        from cluster.serving.metrics import ServerMetrics
+
+        self.cfg = load_config(config, overrides)
+        self.engine = Engine(self.cfg)
+        self.async_engine = AsyncEngine(self.engine)
+        self.metrics = ServerMetrics(self.async_engine)
+        self.created = int(time.time())
+        self.model_name = served_model_name(self.cfg)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_routes(self)
+
+    async def check_health(self) -> None:
+        if not self.async_engine.is_alive():
+            raise RuntimeError(f"engine loop stopped: {self.async_engine.error!r}")
+
+    def __del__(self):
+        if getattr(self, "async_engine", None) is not None:
+            self.async_engine.shutdown()
+            self.engine.shutdown()
+
+    # ------------------------------------------------------------------ requests
+    def check_model(self, body: BaseModel) -> None:
+        name = self.model_name
+        if body.model is not None and body.model != name:
+            raise APIError(400, f"model {body.model!r} is not served here; this server serves {name!r}",
+                           param="model", code="model_not_found")
+
+    async def encode_chat(self, text: str) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok.bos_token and text.startswith(tok.bos_token):  # the template already holds BOS
+            return await self.async_engine.encode(text, add_special_tokens=False)
+        return await self.async_engine.encode(text)
+
+    async def respond(self, kind: str, body: BaseModel, prompt, max_tokens: int) -> Response:
+        start, params = time.monotonic(), body.to_params(max_tokens)
+        if params.n > self.cfg.serve.max_n:
+            raise RequestError(f"n must be at most {self.cfg.serve.max_n} on this server (serve.max_n), got {params.n}",
+                               "n")
+        stream = await self.async_engine.add(prompt, params)
+        name, rid = self.model_name, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{stream.request_id}"
+        if body.stream:
+            state = SSEState(kind, rid, name, int(time.time()), params.n, params.stop, body.include_usage())
+            return StreamingResponse(self._sse(stream, state, start), media_type="text/event-stream")
+        outputs = await stream.final()
+        self.metrics.observe_finished(outputs, time.monotonic() - start)
+        return JSONResponse(response_body(kind, rid, name, int(time.time()), outputs))
+
+    async def _sse(self, stream, state: SSEState, start: float):
+        final: dict[int, RequestOutput] = {}
+        try:
+            for chunk in state.opening():
+                yield chunk
+            async for out in stream:
+                final[out.sample_index] = out
+                for chunk in state.update(out):
+                    yield chunk
+            outputs = [final[i] for i in range(state.n)]
+            self.metrics.observe_finished(outputs, time.monotonic() - start)
+            for chunk in state.closing(outputs):
+                yield chunk
+        except EngineDeadError as e:
+            yield f"data: {json.dumps(error_body(str(e), 'server_error', None, None))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def build_routes(server: OpenAIServer) -> FastAPI:
+    app = FastAPI(title="adaspec", docs_url=None, redoc_url=None, openapi_url=None)
+    key, limit = server.cfg.serve.api_key, server.cfg.serve.max_request_bytes
+
+    @app.middleware("http")
+    async def authorize_and_count(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if key and request.url.path not in UNAUTHENTICATED and not hmac.compare_digest(given, f"Bearer {key}".encode()):
+            response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key").response()
+        else:
+            response = await call_next(request)
+        path = request.url.path
+        server.metrics.observe_request(path if path in ROUTES else "other", response.status_code)
+        return response
+
+    app.add_exception_handler(APIError, lambda _, e: e.response())
+    app.add_exception_handler(RequestError, lambda _, e: request_error(e))
+    app.add_exception_handler(StarletteHTTPException, lambda _, e: APIError(e.status_code, str(e.detail)).response())
+    app.add_exception_handler(EngineDeadError, lambda _, e: APIError(503, str(e), kind="server_error").response())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionBody, limit)
+        server.check_model(body)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        return await server.respond("text", body, completion_prompt(body), max_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatBody, limit)
+        server.check_model(body)
+        ids = await server.encode_chat(chat_prompt(server.engine.tokenizer, body))
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        if max_tokens is None:  # as OpenAI: up to the context limit
+            max_tokens = max(server.engine.max_model_len - len(ids), 1)
+        return await server.respond("chat", body, ids, max_tokens)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                            "created": server.created, "owned_by": "adaspec",
+                                            "max_model_len": server.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.async_engine.is_alive():
+            return JSONResponse({"status": "ok"})
+        return APIError(503, f"engine loop stopped: {server.async_engine.error!r}", kind="server_error").response()
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        payload, content_type = server.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    return app
+
+
+def build_app(args: dict | None = None):
+    """Serve's application builder (`import_path: cluster.serving.app:build_app`)."""
+    parsed = ServerArgs.from_dict(args)
+    cfg = load_config(parsed.config, parsed.overrides)  # fail here, with the key named, not in a replica
+    return OpenAIServer.options(
+        max_ongoing_requests=cfg.engine.max_num_seqs + cfg.engine.max_waiting,
+        ray_actor_options={"num_cpus": parsed.num_cpus},
+    ).bind(parsed.config, parsed.overrides)
