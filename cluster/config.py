@@ -31,7 +31,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # prompt tokens per prefill step (longer prompts are chunked)
     max_waiting: int = 1024  # queued requests beyond this are refused
     digest_every: int = 1  # compare rank digests every N steps; 0 never
-    trace_path: str | None = None  # append one JSON line per decode step here (cluster/trace.py)
+    trace_path: str | None = None  # append one JSON line per decode step here (cluster/engine/trace.py)
     trace_label: str = ""  # the `label` of those lines
 
 

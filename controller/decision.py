@@ -122,3 +122,17 @@ def _decide_small(conf: list[list[float]], kv: list[int], tm: TimeModel, min_gai
             break  # the first candidate that does not raise Theta ends the walk
         e, t, keep[i] = e2, t2, keep[i] + 1
     return keep
+
+
+if __name__ == "__main__":  # python -m controller.decision: the decision's cost per call
+    import time
+
+    tm = TimeModel(b0=2.0, b1=0.05, b2=1e-5)
+    rng = np.random.default_rng(0)
+    for n in (1, 8, 32, 256):
+        conf, kv = rng.random((n, 7)), rng.integers(10, 500, n)
+        decide(conf, kv, tm)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            decide(conf, kv, tm)
+        print(f"decide n={n} k=7: {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms")

@@ -57,7 +57,7 @@ def sharegpt_prompts():
     """8 held-out ShareGPT first turns of mixed length (cut to 4..60 tokens)."""
     from cluster.engine.core import load_tokenizer
     from models.config import ModelConfig
-    from models.data import heldout_prompts
+    from cluster.bench.sharegpt import heldout_prompts
 
     tok = load_tokenizer(ModelConfig().target)
     out = []

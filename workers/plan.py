@@ -65,7 +65,7 @@ class SeqOutput:
 @dataclass
 class StepTrace:
     """What a decode step saw and decided, per sequence (n) and draft position (m): the
-    detail of one line of a step trace (cluster/trace.py)."""
+    detail of one line of a step trace (cluster/engine/trace.py)."""
 
     kv: list[int]  # (n,) context length of each sequence before the step
     num_spec: list[int]  # (n,) drafts each sequence could verify (its plan's num_spec)

@@ -47,7 +47,7 @@ def arm_name(policy: str, k: int, batch: int, several: bool) -> str:
 
 
 def load_prompts(engine: Engine, bench) -> list[list[int]]:
-    from models.data import heldout_prompts
+    from cluster.bench.sharegpt import heldout_prompts
 
     out = []
     for text in heldout_prompts(seed=bench.seed):
@@ -217,7 +217,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--out", default="out/bench", help="directory for bench.json, bench.md and bench.png")
-    p.add_argument("--record-trace", metavar="FILE", help="append one JSON line per decode step (cluster/trace.py)")
+    p.add_argument("--record-trace", metavar="FILE", help="append one JSON line per decode step (cluster/engine/trace.py)")
     return p
 
 

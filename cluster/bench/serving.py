@@ -62,7 +62,7 @@ def arm_overrides(arm: str) -> list[str]:
 
 
 def workload(tokenizer, bench) -> list[RequestSpec]:
-    from models.data import heldout_exchanges
+    from cluster.bench.sharegpt import heldout_exchanges
 
     specs = []
     for prompt, reply in heldout_exchanges(seed=bench.seed):
@@ -240,7 +240,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--out", default="out/bench-serve", help="directory for serve.json, serve.md and serve.png")
     p.add_argument("--url", help="measure this running OpenAI-compatible server instead of starting ours")
     p.add_argument("--record-trace", metavar="FILE",
-                   help="our arms append their decode steps to FILE with the arm before the suffix (cluster/trace.py)")
+                   help="our arms append their decode steps to FILE with the arm before the suffix (cluster/engine/trace.py)")
     return p
 
 

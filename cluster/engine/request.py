@@ -79,13 +79,10 @@ class Sequence:
     drafted: int = 0
     verified: int = 0
     accepted: int = 0
-    ttft_s: float = 0.0  # arrival to first token
-    tpot_ms: float = 0.0  # mean time per output token after the first
     oracle_ids: list[int] | None = None  # benchmark oracle: the target-only reference output
     forks: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, forked when this one's prefill ends
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    last_token_time: float | None = None
 
     @property
     def prefill_ids(self) -> list[int]:

@@ -114,7 +114,10 @@ class RayTimeModelLink:
         from cluster.engine.profile_actor import ProfileActor
 
         actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(ProfileActor)
-        return actor_cls.remote(self.refit_every, model, self.sweep, workers.actors)
+        # Held here for the actor's lifetime: Ray re-runs the constructor on a restart, and an
+        # argument whose object went out of scope would make that restart fail.
+        self._sweep_ref = ray.put(self.sweep)
+        return actor_cls.remote(self.refit_every, model, self._sweep_ref, workers.actors)
 
     def rebind(self, workers: WorkerGroup) -> int:
         """A new actor pushing to the new ranks, starting from the model in force."""

@@ -13,7 +13,7 @@ import sys
 
 from cluster.entrypoints.common import add_config_args, open_engine
 from cluster.engine.request import RequestParams
-from models.data import heldout_prompts
+from cluster.bench.sharegpt import heldout_prompts
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""MTP self-distillation and export of the tiny pair (stages of `python -m models.train_tiny`).
+"""MTP self-distillation and export of the tiny pair (stages of `python -m models.tiny.train`).
 
 The MTP module is trained with our own module at TP=1, so its parameter names are the
 ones the loader expects. Chain step 1 reads the target's hidden states; chain step 2 reads
@@ -17,6 +17,7 @@ from models.attention import AttnBatch
 from models.config import ModelArch
 from models.mtp import MTPModule
 from models.parallel import TPGroup
+from models.tiny.train.common import kl_to_target, run_loop
 
 STEP2_WEIGHT = 0.5
 
@@ -46,7 +47,7 @@ def _chain_step(mtp, embed, ids, prev, start, cache):
     return out.view(b, t, -1)
 
 
-def train_mtp(target, tokenizer, batches, steps, run_loop, kl_to_target, out_path: Path) -> None:
+def train_mtp(target, tokenizer, batches, steps: int, out_path: Path) -> None:
     arch = ModelArch.from_dict(target.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
     mtp = MTPModule(arch, TPGroup())
     _init_from_target(mtp, target)

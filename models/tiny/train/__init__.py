@@ -1,0 +1,1 @@
+"""Training of the bundled tiny pair (`python -m models.tiny.train`; not installed)."""

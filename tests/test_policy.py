@@ -1,0 +1,88 @@
+"""Speculation control without a model: the calibrator's bookkeeping, the draft budget,
+and probe steps backing off while drafting does not pay."""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.config import AdaptiveConfig, SpeculativeConfig
+from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
+from controller.policy import PROBE_EVERY, PROBE_MAX_EVERY, SpecPolicy
+from controller.time_model import TimeModel
+
+
+def test_calibrator_counts_trials_and_hits_by_position_and_bucket():
+    cal = Calibrator(k=3)
+    # verified 3 drafts, accepted 1: position 0 a hit, position 1 a miss, position 2 never reached
+    cal.update(np.array([[0.9, 0.5, 0.2]]), np.array([3]), np.array([1]))
+    b = Calibrator.buckets(np.array([0.9, 0.5, 0.2]))
+    assert cal.trials[0, b[0]] == 1 and cal.hits[0, b[0]] == 1
+    assert cal.trials[1, b[1]] == 1 and cal.hits[1, b[1]] == 0
+    assert cal.trials[2].sum() == 0 and cal.trials.sum() == 2
+    # an unverified position is no trial, whatever was accepted before it
+    cal.update(np.array([[0.9, 0.5, 0.2]]), np.array([1]), np.array([1]))
+    assert cal.trials[1].sum() == 1
+
+
+def test_calibrator_moves_from_its_prior_to_what_it_sees():
+    cal = Calibrator(k=1)
+    top = np.array([[0.05]])  # the lowest bucket: prior estimate = its centre
+    assert np.isclose(cal.estimate(top)[0, 0], 0.5 / NUM_BUCKETS)
+    for _ in range(200):  # the draft is always right even though it is unsure
+        cal.update(top, np.array([1]), np.array([1]))
+    assert np.isclose(cal.estimate(top)[0, 0], (200 + PRIOR_WEIGHT * 0.5 / NUM_BUCKETS) / (200 + PRIOR_WEIGHT))
+    for _ in range(HALVE_AT):  # old evidence is halved once a bucket holds HALVE_AT trials
+        cal.update(top, np.array([1]), np.array([0]))
+    assert cal.trials[0, 0] < HALVE_AT and cal.estimate(top)[0, 0] < 0.2
+
+
+def _policy(k: int = 4) -> SpecPolicy:
+    return SpecPolicy(SpeculativeConfig(num_speculative_tokens=k, adaptive=AdaptiveConfig(enabled=True)))
+
+
+def _budget(policy: SpecPolicy, model: TimeModel, n: int = 4, k: int = 4) -> int:
+    policy.install(model)
+    policy.begin_step("adaptive", np.full(n, 100), np.full(n, k), model.version)
+    return policy.draft_budget(k)
+
+
+def _teach(policy: SpecPolicy, rate: float, k: int = 4) -> None:
+    """Every position accepted at `rate` (conditional), seen 400 times."""
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        accepted = 0
+        while accepted < k and rng.random() < rate:
+            accepted += 1
+        policy.observe(np.full((1, k), 0.5), np.array([k]), np.array([accepted]))
+
+
+def test_draft_budget_follows_acceptance_and_cost():
+    cheap_drafts = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
+    costly_drafts = TimeModel(version=2, b0=5.0, b1=0.1, d0=50.0, d1=0.0)
+    good, bad = _policy(), _policy()
+    _teach(good, 0.95)
+    _teach(bad, 0.02)
+    good.last_probe = bad.last_probe = 10**9  # no probe in these steps
+    assert _budget(good, cheap_drafts) == 4  # drafts nearly always accepted and nearly free: all of them
+    assert _budget(bad, cheap_drafts) == 0  # drafts never accepted: a plain decode step
+    assert _budget(good, costly_drafts) == 0  # a draft step costs ten validations
+    static = _policy()
+    static.begin_step("static", np.full(4, 100), np.full(4, 4), 0)
+    assert static.draft_budget(4) == 4
+
+
+def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
+    policy = _policy()
+    _teach(policy, 0.02)
+    model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
+    assert _budget(policy, model) == 1  # the first adaptive step probes one position past the budget (0)
+    assert policy.probe_every == 2 * PROBE_EVERY
+    steps, probes = 0, policy.probes
+    while policy.probe_every < PROBE_MAX_EVERY:
+        _budget(policy, model)
+        steps += 1
+    assert policy.probes - probes == int(np.log2(PROBE_MAX_EVERY // PROBE_EVERY)) - 1
+    assert steps == sum(PROBE_EVERY * 2 ** i for i in range(1, int(np.log2(PROBE_MAX_EVERY // PROBE_EVERY))))
+    _teach(policy, 0.95)  # drafting pays again: the next probe brings the interval back
+    for _ in range(PROBE_MAX_EVERY):
+        _budget(policy, model)
+    assert policy.probe_every == PROBE_EVERY and _budget(policy, model) == 4

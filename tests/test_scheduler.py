@@ -1,0 +1,79 @@
+"""Continuous batching without a model: block accounting, admission, preemption of the
+youngest, ref-counted forks, and exactly the cache positions a decode step may write."""
+from __future__ import annotations
+
+from cluster.engine.blocks import BlockAllocator
+from cluster.engine.request import RequestParams, Sequence, Status
+from cluster.engine.scheduler import Scheduler, decode_positions
+from workers.plan import SamplingParams
+
+BS = 4  # positions per block
+
+
+def seq(seq_id: int, prompt_len: int, n: int = 1) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, list(range(1, prompt_len + 1)), RequestParams(max_tokens=64, n=n),
+                    SamplingParams())
+
+
+def test_blocks_are_counted_and_shared():
+    alloc = BlockAllocator(num_blocks=5, block_size=BS)
+    a, b = seq(0, 1), seq(1, 1)
+    assert alloc.grow(a, 9) and len(a.block_table) == 3  # ceil(9 / 4)
+    assert not alloc.grow(b, 12) and b.block_table == []  # 3 more do not fit: nothing is taken
+    alloc.share(b, a.block_table[:2])
+    alloc.release(a)
+    assert sorted(alloc.free_blocks) == [2, 3, 4]  # a's shared blocks stay held by b
+    alloc.release(b)
+    assert sorted(alloc.free_blocks) == [0, 1, 2, 3, 4] and set(alloc.refs) == {0}
+
+
+def _prefill_all(s: Scheduler) -> None:
+    """Run prefill plans until none is left, emitting one token per finished prompt."""
+    while True:
+        plan, seqs = s.schedule()
+        if plan.decode:
+            return
+        for p, q in zip(plan.seqs, seqs):
+            if p.prefill_last and not q.output_ids:
+                q.output_ids.append(7)
+
+
+def test_admission_waits_for_blocks_and_decode_covers_exactly_k_drafts():
+    k = 2
+    s = Scheduler(num_blocks=4, block_size=BS, max_num_seqs=8, max_prefill_tokens=64, num_spec=k, max_model_len=64)
+    a, b, c = seq(0, 5), seq(1, 5), seq(2, 5)
+    for x in (a, b, c):
+        s.add(x)
+    _prefill_all(s)
+    # after its prefill a holds 6 tokens; a decode step writes positions 5..5+k: 8 positions, 2 blocks
+    assert decode_positions(6, k) == 8 and len(a.block_table) == 2 and len(b.block_table) == 2
+    assert [x.status for x in (a, b, c)] == [Status.RUNNING, Status.RUNNING, Status.WAITING]  # no blocks for c
+
+
+def test_the_youngest_is_preempted_when_the_running_outgrow_the_cache():
+    k = 3
+    s = Scheduler(num_blocks=6, block_size=BS, max_num_seqs=8, max_prefill_tokens=64, num_spec=k, max_model_len=64)
+    a, b = seq(0, 5), seq(1, 5)
+    s.add(a)
+    s.add(b)
+    _prefill_all(s)
+    a.output_ids += [7] * 4  # a grows to 10 tokens: its next step needs 13 positions, 4 blocks
+    plan, seqs = s.schedule()
+    assert plan.decode and [x.seq_id for x in seqs] == [0]
+    assert b.status is Status.WAITING and s.waiting[0] is b and b.block_table == []
+    assert len(a.block_table) == 4 and plan.free == [1]  # the ranks forget b's state
+
+
+def test_forks_share_the_full_prompt_blocks_and_own_the_rest():
+    s = Scheduler(num_blocks=16, block_size=BS, max_num_seqs=8, max_prefill_tokens=64, num_spec=2, max_model_len=64)
+    parent, child = seq(0, 6), seq(1, 6)
+    child.prompt_ids = parent.prompt_ids
+    parent.forks = [child]
+    s.add(parent)
+    plan, seqs = s.schedule()
+    assert [x.seq_id for x in seqs] == [0, 1] and [f.seq_id for f in plan.seqs[0].forks] == [1]
+    assert child.block_table[0] == parent.block_table[0]  # the one full prompt block (positions 0..3)
+    assert child.block_table[1] != parent.block_table[1]  # the partial one is the child's own (copied by ranks)
+    assert s.blocks.refs[parent.block_table[0]] == 2
+    s.finish(parent)
+    assert s.blocks.refs[child.block_table[0]] == 1 and parent.block_table == []
