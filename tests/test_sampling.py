@@ -95,6 +95,12 @@ def test_a_request_without_a_seed_gets_one_reported_that_reproduces_it(sharegpt_
         assert isinstance(first.seed, int) and first.seed != second.seed
         again = engine.generate(sharegpt_prompts[:1], dataclasses.replace(unseeded, seed=first.seed))[0][0]
         assert again.seed == first.seed and again.token_ids == first.token_ids
+        seeds = set()
+        for _ in range(2):  # the same request id twice: a seed derived from it would repeat
+            engine.add_request(sharegpt_prompts[0], unseeded, request_id="same-id")
+            while engine.has_work():
+                seeds |= {o.seed for o in engine.step() if o.finished}
+        assert len(seeds) == 2
     finally:
         engine.shutdown()
 
