@@ -13,12 +13,12 @@ from typing import Any
 import yaml
 
 from controller.config import ESTIMATORS, METHODS, SpeculativeConfig
-from models.attention import MAX_GROUPED_QUERY
+from models.attention import SHORT_QUERY
 from models.config import ModelConfig
 from workers.config import DEVICES, EXECUTORS, PLACEMENTS, CacheConfig, ParallelConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-MAX_SPECULATIVE_TOKENS = MAX_GROUPED_QUERY - 1  # a verification query (last token + k drafts) stays grouped
+MAX_SPECULATIVE_TOKENS = SHORT_QUERY - 1  # a verification query (last token + k drafts) stays on the short path
 
 
 class ConfigError(ValueError):

@@ -1,9 +1,18 @@
-"""Attention over packed ragged tokens with a position-indexed, block-paged KV cache.
+"""Attention over packed ragged tokens with a block-paged, position-indexed KV cache.
 
-Token t of sequence i writes its K/V to slot `block_table[i][pos // B] * B + pos % B`.
-Attention reads every slot of positions 0..pos, so a slot written by a rejected draft is
-simply overwritten when that position is computed again (gpt-fast's trick): rejection
-needs no cache bookkeeping at all.
+Per layer, keys are (num_blocks, nkv, hd, B) and values (num_blocks, nkv, B, hd): the token
+at position p of sequence i writes block table[i][p // B] at offset p % B. Attention reads
+positions 0..p, so a slot written by a rejected draft is simply overwritten when that
+position is computed again (gpt-fast's trick): rejection needs no cache bookkeeping.
+
+Three paths, one result:
+  short queries (decode and verification: the last token and its drafts, at most
+      SHORT_QUERY per sequence), float32 on the CPU: the paged kernel
+      (models/csrc/cpu_ops.cpp) reads keys and values where they lie; no gather, no padding
+  prefill chunks: per sequence, causal SDPA over the chunk's own keys (a chunk that
+      continues a sequence reads its cached prefix)
+  anything else (another device or dtype, autograd, no compiler): the contexts gathered
+      through the block tables, queries padded to the longest, SDPA with a mask
 """
 from __future__ import annotations
 
@@ -13,44 +22,41 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models import kernels
 
-MAX_GROUPED_QUERY = 17  # ragged batches with queries up to this long (the last token + 16 drafts) attend per length
+SHORT_QUERY = 17  # a verification query: the last token and up to 16 drafts
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # keys (num_blocks, nkv, hd, B), values (num_blocks, nkv, B, hd)
 
 
-@dataclass
-class QueryGroup:
-    """The sequences of a ragged batch that share one query length L, attended together
-    without padding."""
-
-    tokens: torch.Tensor  # (g * L,) packed index of each of their tokens, sequence-major
-    ctx_slots: torch.Tensor  # (g, C_g) cache slots of their positions 0..C_g-1
-    mask: torch.Tensor  # (g, 1, L, C_g)
-    length: int
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> KVCache:
+    keys = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+    values = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    return keys, values
 
 
 @dataclass
 class AttnBatch:
-    """Where the packed tokens of one forward live. T tokens of n sequences; Q is the
-    longest per-sequence query, C the longest context."""
+    """Where the packed tokens of one forward live: T tokens of n sequences, sequence i
+    contributing lens[i] tokens at positions starts[i] onward."""
 
     positions: torch.Tensor  # (T,) absolute position of each token
-    slots: torch.Tensor  # (T,) cache slot each token writes
+    slots: torch.Tensor  # (T,) block * B + offset each token writes
     q_seq: torch.Tensor  # (T,) sequence index of each token
-    q_col: torch.Tensor  # (T,) index of each token within its sequence's queries
-    ctx_slots: torch.Tensor  # (n, C) cache slots of positions 0..C-1 of each sequence
-    mask: torch.Tensor  # (n, 1, Q, C) True where the query may attend to the key
+    q_col: torch.Tensor  # (T,) index of each token among its sequence's
+    tables: torch.Tensor  # (n, W) block tables, zero-padded
     last_index: torch.Tensor  # (n,) index into T of each sequence's last token
-    uniform: bool = False  # every sequence has Q queries: T = n * Q, packed order is (n, Q)
-    # A verification batch (short, ragged queries) attends per query length, so attention
-    # costs sum_i q_i * C, not n * max(q) * C: the validate-time model's premise.
-    groups: list[QueryGroup] | None = None
+    starts: list[int]
+    lens: list[int]
+    block_size: int
+    short: bool  # every sequence has at most SHORT_QUERY tokens
     memo: dict = field(default_factory=dict)  # per-forward values layers share (rotary cos/sin)
 
     @staticmethod
     def build(starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu") -> "AttnBatch":
-        """Sequence i contributes tokens at positions starts[i] .. starts[i] + lengths[i] - 1.
-        Index arithmetic runs in numpy (a few microseconds, where small torch ops cost more)."""
+        """Index arithmetic runs in numpy (a few microseconds, where small torch ops cost more)."""
         n = len(starts)
         lens = np.asarray(lengths, dtype=np.int64)
         start = np.asarray(starts, dtype=np.int64)
@@ -58,61 +64,87 @@ class AttnBatch:
         first = np.cumsum(lens) - lens
         q_col = np.arange(int(lens.sum())) - first[q_seq]
         positions = start[q_seq] + q_col
-        width = max(len(b) for b in block_tables)
-        tables = np.zeros((n, width), dtype=np.int64)
+        tables = np.zeros((n, max(len(b) for b in block_tables)), dtype=np.int64)
         for i, b in enumerate(block_tables):
             tables[i, :len(b)] = b
         slots = tables[q_seq, positions // block_size] * block_size + positions % block_size
-        ctx = int((start + lens).max())
-        key_pos = np.arange(ctx)
-        ctx_slots = tables[:, np.minimum(key_pos // block_size, width - 1)] * block_size + key_pos % block_size
-        q_pos = np.zeros((n, int(lens.max())), dtype=np.int64)  # padded queries see key 0 only
-        q_pos[q_seq, q_col] = positions
-        mask = (key_pos.reshape(1, 1, -1) <= q_pos[:, :, None])[:, None]
-        uniform = bool((lens == lens[0]).all())
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        groups = None
-        if not uniform and lens.max() <= MAX_GROUPED_QUERY:
-            groups = []
-            for length in np.unique(lens):
-                idx = np.flatnonzero(lens == length)
-                width_g = int((start[idx] + length).max())
-                tokens = (first[idx][:, None] + np.arange(length)).ravel()
-                groups.append(QueryGroup(tensor(tokens), tensor(ctx_slots[idx, :width_g]),
-                                         tensor(mask[idx][:, :, :length, :width_g]), int(length)))
-        fields = (positions, slots, q_seq, q_col, ctx_slots, mask, first + lens - 1)
-        return AttnBatch(*(tensor(t) for t in fields), uniform=uniform, groups=groups)
+        return AttnBatch(tensor(positions), tensor(slots), tensor(q_seq), tensor(q_col), tensor(tables),
+                         tensor(first + lens - 1),
+                         [int(x) for x in starts], [int(x) for x in lengths], block_size,
+                         short=int(lens.max()) <= SHORT_QUERY)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-                    batch: AttnBatch, scale: float) -> torch.Tensor:
-    """q: (T, nh, hd); k, v: (T, nkv, hd); cache: two (S, nkv, hd) tensors. Returns (T, nh, hd)."""
-    cache_k, cache_v = cache
-    cache_k[batch.slots] = k
-    cache_v[batch.slots] = v
-    nh, hd = q.shape[1], q.shape[2]
-    if batch.groups is not None:
-        out = torch.empty_like(q)
-        for g in batch.groups:
-            qg = q[g.tokens].view(-1, g.length, nh, hd)
-            out[g.tokens] = _attend(qg, cache, g.ctx_slots, g.mask, scale).reshape(-1, nh, hd)
-        return out
-    n, queries = batch.mask.shape[0], batch.mask.shape[2]
-    if batch.uniform:  # no padding: the packed tokens already are (n, Q)
-        return _attend(q.reshape(n, queries, nh, hd), cache, batch.ctx_slots, batch.mask, scale).reshape(q.shape)
-    qp = q.new_zeros(n, queries, nh, hd)
-    qp[batch.q_seq, batch.q_col] = q
-    return _attend(qp, cache, batch.ctx_slots, batch.mask, scale)[batch.q_seq, batch.q_col]
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: AttnBatch,
+                    scale: float) -> torch.Tensor:
+    """q: (T, nh, hd); k, v: (T, nkv, hd), written into the cache first. Returns (T, nh, hd)."""
+    ops = kernels.cpu_ops() if kernels.usable(q) else None
+    write_cache(k, v, cache, batch, ops)
+    if ops is not None and batch.short:
+        return ops.paged_attention(q.contiguous(), cache[0], cache[1], batch.tables, batch.q_seq, batch.positions,
+                                   scale)
+    if not batch.short:
+        return _prefill(q, k, v, cache, batch, scale)
+    return _padded(q, cache, batch, scale)
 
 
-def _attend(qp: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], ctx_slots: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """qp: (n, Q, nh, hd) queries; ctx_slots: (n, C); mask: (n, 1, Q, C). Returns (n, Q, nh, hd)."""
-    keys = cache[0][ctx_slots].transpose(1, 2)  # (n, nkv, C, hd)
-    values = cache[1][ctx_slots].transpose(1, 2)
+def write_cache(k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: AttnBatch, ops=None) -> None:
+    if ops is not None:
+        ops.cache_write(k.contiguous(), v.contiguous(), cache[0], cache[1], batch.slots)
+        return
+    block, offset = batch.slots // batch.block_size, batch.slots % batch.block_size
+    cache[0][block, :, :, offset] = k  # advanced indices apart: (T, nkv, hd) on the left
+    cache[1][block, :, offset, :] = v
+
+
+def gather_context(cache: KVCache, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions 0..length-1 of each sequence: (m, nkv, length, hd) each."""
+    m, width = tables.shape
+    keys = cache[0][tables].permute(0, 2, 1, 4, 3)  # (m, nkv, W, B, hd)
+    values = cache[1][tables].permute(0, 2, 1, 3, 4)
+    nkv, block, hd = keys.shape[1], keys.shape[3], keys.shape[4]
+    return (keys.reshape(m, nkv, width * block, hd)[:, :, :length],
+            values.reshape(m, nkv, width * block, hd)[:, :, :length])
+
+
+def _prefill(q, k, v, cache: KVCache, batch: AttnBatch, scale: float) -> torch.Tensor:
+    """Per sequence: its chunk's queries against the chunk's own keys (a fresh prompt), or
+    against its cached prefix and the chunk (a chunk that continues a sequence)."""
+    out = torch.empty_like(q)
+    first = 0
+    for i, (start, length) in enumerate(zip(batch.starts, batch.lens)):
+        rows = slice(first, first + length)
+        qi = q[rows].transpose(0, 1)[None]  # (1, nh, L, hd)
+        if start == 0:  # KV heads repeated: a 4-d causal call takes the flash kernel (about 3x the math path here)
+            rep = q.shape[1] // k.shape[1]
+            o = F.scaled_dot_product_attention(qi, k[rows].transpose(0, 1).repeat_interleave(rep, 0)[None],
+                                               v[rows].transpose(0, 1).repeat_interleave(rep, 0)[None],
+                                               is_causal=True, scale=scale)
+        else:
+            keys, values = gather_context(cache, batch.tables[i:i + 1], start + length)
+            key_pos = torch.arange(start + length, device=q.device)
+            mask = key_pos[None, :] <= (start + torch.arange(length, device=q.device))[:, None]  # (L, C)
+            o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+        first += length
+    return out
+
+
+def _padded(q, cache: KVCache, batch: AttnBatch, scale: float) -> torch.Tensor:
+    """Short ragged queries without the kernel: gather every context, pad the queries to
+    the longest, mask."""
+    n, nh, hd = len(batch.lens), q.shape[1], q.shape[2]
+    longest, context = max(batch.lens), max(s + n_ for s, n_ in zip(batch.starts, batch.lens))
+    keys, values = gather_context(cache, batch.tables, context)  # (n, nkv, C, hd)
+    q_col = batch.q_col
+    qp = q.new_zeros(n, longest, nh, hd)
+    qp[batch.q_seq, q_col] = q
+    q_pos = torch.zeros(n, longest, dtype=torch.long, device=q.device)  # padded queries see key 0 only
+    q_pos[batch.q_seq, q_col] = batch.positions
+    mask = (torch.arange(context, device=q.device)[None, None, :] <= q_pos[:, :, None])[:, None]  # (n, 1, Q, C)
     out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=True)  # (n, nh, Q, hd)
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)[batch.q_seq, q_col]

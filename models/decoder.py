@@ -8,13 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import AttnBatch, paged_attention
+from models.attention import AttnBatch, KVCache, new_kv_cache, paged_attention
 from models.config import ModelArch
 from models.layers import RMSNorm, RotaryEmbedding
 from models.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                              TPGroup, VocabParallelEmbedding)
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (S, nkv_local, hd) keys and values of one layer
 
 
 class Attention(nn.Module):
@@ -27,10 +25,9 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, arch.head_dim
         self.scale = arch.head_dim ** -0.5
 
-    def new_kv_cache(self, num_slots: int) -> KVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         w = self.qkv_proj.weight
-        shape = (num_slots, self.nkv, self.hd)
-        return torch.zeros(shape, dtype=w.dtype, device=w.device), torch.zeros(shape, dtype=w.dtype, device=w.device)
+        return new_kv_cache(num_blocks, block_size, self.nkv, self.hd, w.dtype, w.device)
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache) -> torch.Tensor:
         # x: (T, H)
@@ -97,5 +94,5 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (N, V)
 
-    def new_kv_cache(self, num_slots: int) -> list[KVCache]:
-        return [layer.self_attn.new_kv_cache(num_slots) for layer in self.model.layers]
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        return [layer.self_attn.new_kv_cache(num_blocks, block_size) for layer in self.model.layers]

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.attention import AttnBatch
+from models.attention import AttnBatch, KVCache
 from models.config import ModelArch
-from models.decoder import DecoderLayer, KVCache
+from models.decoder import DecoderLayer
 from models.layers import RMSNorm
 from models.loader import iter_tensors, load_weights
 from models.parallel import ReplicatedLinear, TPGroup
@@ -36,8 +36,8 @@ class MTPModule(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
         return self.norm(self.layer(x, batch, cache))
 
-    def new_kv_cache(self, num_slots: int) -> KVCache:
-        return self.layer.self_attn.new_kv_cache(num_slots)
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        return self.layer.self_attn.new_kv_cache(num_blocks, block_size)
 
 
 def load_mtp(path: str | Path, arch: ModelArch, tp: TPGroup, dtype: torch.dtype = torch.float32,

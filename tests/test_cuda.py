@@ -25,7 +25,7 @@ def test_logits_match_transformers_on_cuda(tmp_path):
             for n in (5, 17, 40)]
     ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).to("cuda").eval()
     model = load_causal_lm(tmp_path, TPGroup(), torch.float32, "cuda")
-    caches = model.new_kv_cache(64 * 16)
+    caches = model.new_kv_cache(64, 16)
     tables = [[4 * i + j for j in range(4)] for i in range(len(seqs))]
     with torch.no_grad():
         for phase in (0, 1):  # a long ragged prefill, then short ragged queries

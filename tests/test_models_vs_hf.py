@@ -40,7 +40,7 @@ def _ours(tp, path, seqs):
     attention per query length). Exercises the KV cache and both attention paths."""
     torch.manual_seed(0)
     model = load_causal_lm(path, tp)
-    caches = model.new_kv_cache(64 * BLOCK)
+    caches = model.new_kv_cache(64, BLOCK)
     tables = [[4 * i + j for j in range(4)] for i in range(len(seqs))]
     out = [None] * len(seqs)
     with torch.no_grad():
@@ -55,9 +55,22 @@ def _ours(tp, path, seqs):
     return out
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def attention_path(request, monkeypatch):
+    """Both attention paths: the paged CPU kernel, and torch ops (what other devices and
+    dtypes use)."""
+    from models import kernels
+
+    if request.param == "torch":
+        monkeypatch.setitem(kernels._state, "ops", None)
+    elif kernels.cpu_ops() is None:
+        pytest.skip("the CPU kernels could not be built here")
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_logits_match_transformers(tmp_path, kind, tp_size):
+def test_logits_match_transformers(tmp_path, kind, tp_size, attention_path):
     from transformers import AutoModelForCausalLM
 
     _save_hf(kind, tmp_path)
@@ -76,3 +89,25 @@ def test_logits_match_transformers(tmp_path, kind, tp_size):
         for r, o in zip(ref, ours):
             assert o.shape == r.shape
             assert (o - r).abs().max().item() <= 1e-4
+
+
+CHUNKS = ((0, 12), (12, 33), (33, 40))  # a prompt prefilled in chunks (the second continues the first), then 7 more
+
+
+def test_chunked_prefill_matches_transformers(tmp_path, attention_path):
+    from transformers import AutoModelForCausalLM
+
+    from models.parallel import TPGroup
+
+    _save_hf("llama", tmp_path)
+    seq = [int(x) for x in torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(1))]
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    model = load_causal_lm(tmp_path, TPGroup())
+    caches = model.new_kv_cache(8, BLOCK)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([seq])).logits[0]
+        for a, b in CHUNKS:
+            batch = AttnBatch.build([a], [b - a], [[3, 1, 6]], BLOCK)
+            ours = model.logits(model(torch.tensor(seq[a:b]), batch, caches))
+            assert (ours - ref[a:b]).abs().max().item() <= 1e-4, (a, b)
+

@@ -54,9 +54,9 @@ class Proposer:
 class DraftModelProposer(Proposer):
     """A small LM replicated on every rank, with its own cache in the target's block layout."""
 
-    def __init__(self, model: CausalLM, num_slots: int):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
         self.model = model
-        self.cache = model.new_kv_cache(num_slots)
+        self.cache = model.new_kv_cache(num_blocks, block_size)
 
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
         starts = [s.draft_len for s in seqs]
@@ -83,9 +83,9 @@ class DraftModelProposer(Proposer):
 class MTPProposer(Proposer):
     """The MTP module, sharded like the target, reading the target's hidden states."""
 
-    def __init__(self, mtp: MTPModule, target: CausalLM, num_slots: int):
+    def __init__(self, mtp: MTPModule, target: CausalLM, num_blocks: int, block_size: int):
         self.mtp, self.target = mtp, target
-        self.cache = mtp.new_kv_cache(num_slots)
+        self.cache = mtp.new_kv_cache(num_blocks, block_size)
 
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
         # pair at position p: (target hidden at p-1, token at p), for p = draft_len .. len(tokens)-1

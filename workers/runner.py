@@ -42,7 +42,7 @@ class ModelRunner:
         self.target, self.proposer = target, proposer
         self.keep_hidden = isinstance(proposer, MTPProposer)  # only MTP reads the target's hidden states
         self.block_size = block_size
-        self.cache = target.new_kv_cache(num_blocks * block_size)
+        self.cache = target.new_kv_cache(num_blocks, block_size)
         self.seqs: dict[int, SeqState] = {}
         self.corrupt_digest = False  # fault injection: make this rank's digest disagree
         # Tests only (the lossless test's negative control): draw the bonus token fresh from
@@ -110,10 +110,9 @@ class ModelRunner:
                          hidden=parent.hidden, hidden_start=parent.hidden_start)
         if prompt % self.block_size:
             src, dst = parent.block_table[prompt // self.block_size], f.block_table[prompt // self.block_size]
-            a, b, size = src * self.block_size, dst * self.block_size, self.block_size
             for cache_k, cache_v in self.cache:
-                cache_k[b:b + size] = cache_k[a:a + size]
-                cache_v[b:b + size] = cache_v[a:a + size]
+                cache_k[dst] = cache_k[src]
+                cache_v[dst] = cache_v[src]
         token = sample_token(logits, f.sampling, position=prompt)
         child.tokens.append(token)
         self.seqs[f.seq_id] = child
@@ -131,20 +130,21 @@ class ModelRunner:
         t0 = time.perf_counter()
         draft = self._draft(seqs, [p.sampling for p in plan.seqs], self.policy.draft_budget(k), plan.trace)
         stats.draft_ms = (time.perf_counter() - t0) * 1e3
-        keep = torch.from_numpy(self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy()))
+        keep = self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy())  # (n,) numpy
         t1 = time.perf_counter()
         lens = (keep + 1).tolist()
         batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
                                 self.device)
-        ids = torch.tensor([t for i, s in enumerate(seqs) for t in [s.tokens[-1]] + draft.tokens[i, :keep[i]].tolist()],
+        drafted = draft.tokens.tolist()  # (n, m) as lists: per-sequence work below stays in Python, not torch
+        ids = torch.tensor([t for s, d, n in zip(seqs, drafted, lens) for t in [s.tokens[-1]] + d[:n - 1]],
                            device=self.device)
         hidden = self.target(ids, batch, self.cache)
         logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps = len(ids), draft.steps
-        stats.predicted_validate_ms = ctx.model.validate_ms(keep.numpy() + 1, kv)
-        stats.kv_tokens = int(((keep.numpy() + 1) * kv).sum())
-        outputs = self._accept(plan, seqs, draft, keep, batch, hidden, logits, stats)
+        stats.predicted_validate_ms = ctx.model.validate_ms(keep + 1, kv)
+        stats.kv_tokens = int(((keep + 1) * kv).sum())
+        outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
         if plan.trace:
             stats.trace = StepTrace(kv.tolist(), max_keep.tolist(), _rounded(draft.top_prob), _rounded(draft.margin),
                                     _rounded(draft.entropy), keep.tolist(), [o.accepted for o in outputs], ctx.probe)
@@ -193,40 +193,42 @@ class ModelRunner:
                           torch.stack(margins, 1).double().numpy() if trace else None,
                           torch.stack(entropies, 1).double().numpy() if trace else None)
 
-    def _accept(self, plan, seqs, draft, keep, batch, hidden, logits, stats) -> list[SeqOutput]:
-        n, kmax = len(seqs), int(keep.max())
-        target_argmax = torch.zeros(n, kmax + 1, dtype=torch.long)
-        target_argmax[batch.q_seq, batch.q_col] = logits.argmax(dim=-1)
-        accepted = greedy_accept(draft.tokens[:, :kmax], target_argmax, keep)
-        emitted = {}
+    def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats) -> list[SeqOutput]:
+        """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts; lens: keep + 1,
+        the rows of `logits` (T, V) each sequence owns, in order."""
+        target = logits.argmax(dim=-1).tolist()  # the target's choice after each validated token
+        accepted, emitted, row = [], [], 0
         for i, (s, p) in enumerate(zip(seqs, plan.seqs)):
+            verified = lens[i] - 1
             if p.sampling.greedy:
-                a = int(accepted[i])
-                emitted[i] = draft.tokens[i, :a].tolist() + [int(target_argmax[i, a])]
-                continue
-            L = int(keep[i])
-            rows = logits[int(batch.last_index[i]) - L: int(batch.last_index[i]) + 1]  # (L+1, V)
-            p_target = probs_from_logits(rows, p.sampling)
-            # drafts that may decide their position: those this sequence asked for (the batch
-            # may draft further for others), so the text does not depend on the batch
-            usable = L if self.fresh_bonus else min(draft.steps, p.num_spec)
-            q = draft.q[i][:usable] if usable else torch.zeros(0, rows.shape[-1])
-            accepted[i], emitted[i] = rejection_accept(draft.tokens[i, :usable].tolist(), q, p_target, p.sampling,
-                                                       start=len(s.tokens))
-        self.policy.observe(draft.top_prob[:, :kmax], keep.numpy(), accepted.numpy())
-        stats.accepted_per_position = [int((accepted > j).sum()) for j in range(draft.steps)]
+                a = greedy_accept(drafted[i][:verified], target[row:row + verified])
+                accepted.append(a)
+                emitted.append(drafted[i][:a] + [target[row + a]])
+            else:
+                p_target = probs_from_logits(logits[row:row + verified + 1], p.sampling)  # (L+1, V)
+                # drafts that may decide their position: those this sequence asked for (the batch
+                # may draft further for others), so the text does not depend on the batch
+                usable = verified if self.fresh_bonus else min(draft.steps, p.num_spec)
+                q = draft.q[i][:usable] if usable else torch.zeros(0, logits.shape[-1])
+                a, out = rejection_accept(drafted[i][:usable], q, p_target, p.sampling, start=len(s.tokens))
+                accepted.append(a)
+                emitted.append(out)
+            row += lens[i]
+        acc = np.asarray(accepted, dtype=np.int64)
+        self.policy.observe(draft.top_prob[:, :int(keep.max())], keep, acc)
+        stats.accepted_per_position = [int((acc > j).sum()) for j in range(draft.steps)]
         stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
         outputs = []
-        for i, (s, p, h) in enumerate(zip(seqs, plan.seqs, hidden.split((keep + 1).tolist()))):
-            a = int(accepted[i])
-            s.tokens.extend(emitted[i])
+        hiddens = hidden.split(lens) if self.keep_hidden else [None] * len(seqs)
+        for s, p, h, a, new, verified in zip(seqs, plan.seqs, hiddens, accepted, emitted, lens):
+            s.tokens.extend(new)
             s.num_computed += a + 1
             if self.keep_hidden:
                 s.add_hidden(h[: a + 1])
             if self.proposer is not None:
                 self.proposer.commit(s, a, draft.steps)
-            outputs.append(SeqOutput(p.seq_id, emitted[i], drafted=min(p.num_spec, draft.steps),
-                                     verified=int(keep[i]), accepted=a))
+            outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps), verified=verified - 1,
+                                     accepted=a))
         return outputs
 
 

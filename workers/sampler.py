@@ -97,12 +97,10 @@ def rejection_accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, params
     return L, out  # the unverified draft at start+L was accepted as the bonus token
 
 
-def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Number of accepted drafts per sequence.
-
-    drafts: (n, K) draft tokens; target_argmax: (n, K+1) the target's argmax after the
-    last emitted token and after each draft (columns past keep[i] are ignored);
-    keep: (n,) drafts each sequence verified. Returns (n,) accepted counts, each <= keep."""
-    k = drafts.shape[1]
-    match = (drafts == target_argmax[:, :k]) & (torch.arange(k).unsqueeze(0) < keep.unsqueeze(1))
-    return match.long().cumprod(dim=1).sum(dim=1)
+def greedy_accept(drafts: list[int], target: list[int]) -> int:
+    """Accepted drafts: the longest prefix of the verified `drafts` that equals the target's
+    choices (`target[j]` is the target's argmax at the position of `drafts[j]`)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target[a]:
+        a += 1
+    return a

@@ -16,7 +16,7 @@ from workers.runner import ModelRunner
 
 def _fake_seqs(runner: ModelRunner, n: int, positions: int) -> list[SeqState]:
     per_seq = -(-positions // runner.block_size)
-    total_blocks = runner.cache[0][0].shape[0] // runner.block_size
+    total_blocks = runner.cache[0][0].shape[0]
     if n * per_seq > total_blocks:
         raise ValueError(f"profile point n={n} x {positions} positions does not fit the KV cache")
     gen = torch.Generator().manual_seed(n * 1_000_003 + positions)  # fixed random tokens per probe shape

@@ -105,16 +105,16 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
                  device: torch.device) -> ModelRunner:
     dtype = DTYPES[model.dtype]
     target = load_causal_lm(model.target, tp, dtype, device)
-    slots = cache.num_blocks * cache.block_size
     proposer: Proposer | None = None
     if spec.enabled and spec.method == "mtp":
-        proposer = MTPProposer(load_mtp(model.mtp, target.arch, tp, dtype, device), target, slots)
+        proposer = MTPProposer(load_mtp(model.mtp, target.arch, tp, dtype, device), target, cache.num_blocks,
+                               cache.block_size)
     elif spec.enabled and spec.method == "draft_model":
         draft = load_causal_lm(model.draft, TPGroup(), dtype, device)  # small: replicated on every rank
         if draft.arch.vocab_size != target.arch.vocab_size:
             raise ValueError(f"model.draft vocab_size={draft.arch.vocab_size} differs from the target's "
                              f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
-        proposer = DraftModelProposer(draft, slots)
+        proposer = DraftModelProposer(draft, cache.num_blocks, cache.block_size)
     return ModelRunner(rank, target, proposer, SpecPolicy(spec), cache.num_blocks, cache.block_size, device)
 
 

@@ -11,6 +11,7 @@ import secrets
 import time
 
 from cluster.config import Config
+from cluster.engine.detokenizer import Decoder, find_stop
 from cluster.engine.executor import make_worker_group
 from cluster.engine.request import QueueFullError, RequestError, RequestOutput, RequestParams, Sequence, Status
 from cluster.engine.scheduler import Scheduler
@@ -37,6 +38,7 @@ class Engine:
         self.cfg = cfg
         self.arch = check_model_dirs(cfg.model, cfg.speculative, cfg.parallel.tp_size)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.target)
+        self.decoder = Decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -207,11 +209,11 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
-        seq.text = self.decode(seq.output_ids)
-        for s in seq.params.stop:
-            cut = seq.text.find(s)
+        if self.decoder is not None:
+            delta = seq.detok.extend(self.decoder, seq.output_ids, final=seq.finish_reason is not None)
+            cut = find_stop(seq.detok.text, len(delta), seq.params.stop) if delta and seq.params.stop else -1
             if cut >= 0:
-                seq.text, seq.finish_reason = seq.text[:cut], "stop"
+                seq.detok.text, seq.finish_reason = seq.detok.text[:cut], "stop"
         if seq.finish_reason:
             self.scheduler.finish(seq)
             del self.seqs[seq.seq_id]
@@ -224,9 +226,7 @@ class Engine:
                              ttft_s=seq.first_token_time - seq.arrival, tpot_ms=tpot)
 
     def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.decoder(ids) if self.decoder is not None else ""
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: list[str | list[int]], params: RequestParams) -> list[list[RequestOutput]]:

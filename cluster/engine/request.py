@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from cluster.engine.detokenizer import IncrementalText
 from dataclasses import dataclass, field
 
 from workers.plan import SamplingParams
@@ -74,7 +75,7 @@ class Sequence:
     prefill_len: int = 0  # len(prefill_ids) when last admitted
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str = ""
+    detok: IncrementalText = field(default_factory=IncrementalText)  # the decoded output so far
     steps: int = 0
     drafted: int = 0
     verified: int = 0
@@ -89,6 +90,10 @@ class Sequence:
         """What a (re)prefill must compute: the prompt, plus all outputs but the last when
         recomputing after a preemption (the last output is the pending decode input)."""
         return self.prompt_ids + self.output_ids[:-1]
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
 
     @property
     def total_len(self) -> int:

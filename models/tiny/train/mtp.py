@@ -59,12 +59,11 @@ def train_mtp(target, tokenizer, batches, steps: int, out_path: Path) -> None:
             out = target.model(input_ids=x)
             hidden = out.last_hidden_state  # (B, T, H), after the final norm
             t_logits = head(hidden)
-        cache = (torch.zeros(x.shape[0] * 512, arch.num_kv_heads, arch.head_dim),) * 2
-        cache = (cache[0].clone(), cache[1].clone())
+        cache = mtp.new_kv_cache(2 * x.shape[0], 256)  # two blocks of 256 positions per row
         g = _chain_step(mtp, embed, x[:, 1:], hidden[:, :-1], 1, cache)  # predicts x[:, 2:]
         valid = (x[:, 1:] != pad).float()
         loss = kl_to_target(head(g[:, :-1]), t_logits[:, 1:-1], valid[:, :-1])
-        g2 = _chain_step(mtp, embed, x[:, 2:], g[:, :-1], 2, (cache[0].clone(), cache[1].clone()))
+        g2 = _chain_step(mtp, embed, x[:, 2:], g[:, :-1], 2, mtp.new_kv_cache(2 * x.shape[0], 256))
         loss2 = kl_to_target(head(g2[:, :-1]), t_logits[:, 2:-1], valid[:, 1:-1])
         return loss + STEP2_WEIGHT * loss2
 

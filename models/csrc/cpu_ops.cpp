@@ -1,0 +1,190 @@
+// CPU kernels for the paged KV cache (float32), built on first use by models/kernels.py.
+//
+// Cache layout, per layer and per block of B positions:
+//   keys   (num_blocks, nkv, hd, B): for a block and a KV head, each dimension's B keys are
+//          contiguous, so one vector FMA scores B keys against one query value;
+//   values (num_blocks, nkv, B, hd): each position's value vector is contiguous.
+// Position p of a sequence lives in block table[p / B] at offset p % B. Attention reads the
+// blocks where they lie: no gather of contexts, no padding of queries.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check(const torch::Tensor& t, const char* name, int64_t dims, c10::ScalarType type) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.dim() == dims, name, " must have ", dims, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.scalar_type() == type, name, " has the wrong dtype");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// exp(x) for x <= 0, in a form the compiler vectorizes (std::exp does not): x = n ln2 + r
+// with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (relative error about 2e-7),
+// 2^n put straight into the exponent bits.
+inline void exp_inplace(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::max(x[i], -87.0f);
+    const float fn = std::floor(v * 1.44269504088896341f + 0.5f);
+    const float r = (v - fn * 0.693359375f) + fn * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof(float));
+    x[i] = y * two_n;
+  }
+}
+
+}  // namespace
+
+// Write new keys and values (T, nkv, hd) at their slots (T,) (slot = block * B + offset).
+void cache_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                 const torch::Tensor& slots) {
+  check(k, "k", 3, torch::kFloat32);
+  check(v, "v", 3, torch::kFloat32);
+  check(k_cache, "k_cache", 4, torch::kFloat32);
+  check(v_cache, "v_cache", 4, torch::kFloat32);
+  check(slots, "slots", 1, torch::kInt64);
+  const int64_t T = k.size(0), nkv = k.size(1), hd = k.size(2), B = k_cache.size(3);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = sl[t] / B, off = sl[t] % B;
+    for (int64_t g = 0; g < nkv; ++g) {
+      const float* ksrc = kp + (t * nkv + g) * hd;
+      const float* vsrc = vp + (t * nkv + g) * hd;
+      float* kdst = kc + ((block * nkv + g) * hd) * B + off;
+      float* vdst = vc + ((block * nkv + g) * B + off) * hd;
+      for (int64_t d = 0; d < hd; ++d) kdst[d * B] = ksrc[d];
+      std::copy(vsrc, vsrc + hd, vdst);
+    }
+  }
+}
+
+// One (token, KV head) work item: the G query heads sharing KV head g attend to positions
+// 0..P-1 through the block table. BB, HD and GG are the block size, head dimension and
+// heads per KV head when known at compile time (0: read at run time); then the heads'
+// accumulators stay in registers and their FMA chains interleave.
+template <int BB, int HD, int GG>
+void attend_item(const float* qg, const float* kc, const float* vc, const int64_t* table, int64_t P, int64_t g_rt,
+                 int64_t nkv, int64_t g, int64_t b_rt, int64_t hd_rt, float scale, std::vector<float>& scores,
+                 float* out) {
+  constexpr int64_t MAXB = BB ? BB : 64, MAXHD = HD ? HD : 512, MAXG = GG ? GG : 16;
+  const int64_t B = BB ? BB : b_rt, hd = HD ? HD : hd_rt, G = GG ? GG : g_rt;
+  const int64_t nblocks = (P + B - 1) / B;
+  scores.resize(G * nblocks * B);
+  // scores[h][p] = scale * q_h . k_p: for each dimension, one vector FMA over the block's B keys per head
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* kt = kc + ((table[b] * nkv + g) * hd) * B;  // (hd, B)
+    float acc[MAXG][MAXB] = {};
+    for (int64_t d = 0; d < hd; ++d) {
+      const float* krow = kt + d * B;
+      for (int64_t h = 0; h < G; ++h) {
+        const float qd = qg[h * hd + d];
+#pragma omp simd
+        for (int64_t i = 0; i < B; ++i) acc[h][i] += qd * krow[i];
+      }
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      float* srow = scores.data() + h * nblocks * B + b * B;
+      for (int64_t i = 0; i < B; ++i) srow[i] = acc[h][i] * scale;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {  // softmax over positions 0..P-1
+    float* srow = scores.data() + h * nblocks * B;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < P; ++p) m = std::max(m, srow[p]);
+    for (int64_t p = 0; p < P; ++p) srow[p] -= m;
+    exp_inplace(srow, P);
+    float sum = 0.0f;
+    for (int64_t p = 0; p < P; ++p) sum += srow[p];
+    const float inv = 1.0f / sum;
+    for (int64_t p = 0; p < P; ++p) srow[p] *= inv;
+  }
+  // out_h = sum_p w[h][p] v_p: each value row read once for all G heads
+  float acc[MAXG][MAXHD] = {};
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* vb = vc + ((table[b] * nkv + g) * B) * hd;  // (B, hd)
+    const int64_t n = std::min(B, P - b * B);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vrow = vb + i * hd;
+      for (int64_t h = 0; h < G; ++h) {
+        const float wi = scores[h * nblocks * B + b * B + i];
+#pragma omp simd
+        for (int64_t d = 0; d < hd; ++d) acc[h][d] += wi * vrow[d];
+      }
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) std::copy(acc[h], acc[h] + hd, out + h * hd);
+}
+
+// Attention of T query tokens (T, nh, hd) over the cache. Token t belongs to sequence
+// q_seq[t] and sits at position q_pos[t]: it attends to that sequence's positions
+// 0..q_pos[t] (which must already be in the cache). tables: (n, W) block tables.
+// Work is split over (token, KV head): each reads its sequence's keys once for the
+// nh / nkv query heads that share them.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& tables, const torch::Tensor& q_seq, const torch::Tensor& q_pos,
+                              double scale) {
+  check(q, "q", 3, torch::kFloat32);
+  check(k_cache, "k_cache", 4, torch::kFloat32);
+  check(v_cache, "v_cache", 4, torch::kFloat32);
+  check(tables, "tables", 2, torch::kInt64);
+  check(q_seq, "q_seq", 1, torch::kInt64);
+  check(q_pos, "q_pos", 1, torch::kInt64);
+  const int64_t T = q.size(0), nh = q.size(1), hd = q.size(2);
+  const int64_t nkv = k_cache.size(1), B = k_cache.size(3), W = tables.size(1);
+  TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.size(2) == hd && v_cache.size(3) == hd, "head dimension mismatch");
+  TORCH_CHECK(B <= 64 && hd <= 512 && nh / nkv <= 16,
+              "block size up to 64, head dimension up to 512 and 16 query heads per KV head");
+  const int64_t G = nh / nkv;
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* seq = q_seq.data_ptr<int64_t>();
+  const int64_t* pos = q_pos.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  auto item_fn = &attend_item<0, 0, 0>;  // specialised for the common shapes
+  if (B == 16 && hd == 32 && G == 4) item_fn = &attend_item<16, 32, 4>;
+  else if (B == 16 && hd == 64 && G == 4) item_fn = &attend_item<16, 64, 4>;
+  else if (B == 16 && hd == 128 && G == 4) item_fn = &attend_item<16, 128, 4>;
+  else if (B == 16 && hd == 128 && G == 8) item_fn = &attend_item<16, 128, 8>;
+  else if (B == 16 && hd == 64) item_fn = &attend_item<16, 64, 0>;
+  else if (B == 16 && hd == 128) item_fn = &attend_item<16, 128, 0>;
+
+  at::parallel_for(0, T * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / nkv, g = item % nkv;
+      TORCH_CHECK((pos[t] + B) / B <= W, "position ", pos[t], " is past the sequence's block table");
+      item_fn(qp + (t * nh + g * G) * hd, kc, vc, tab + seq[t] * W, pos[t] + 1, G, nkv, g, B, hd, fscale, scores,
+              op + (t * nh + g * G) * hd);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cache_write", &cache_write, "write keys and values into the paged cache");
+  m.def("paged_attention", &paged_attention, "attention of ragged queries over the paged cache");
+}

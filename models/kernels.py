@@ -1,0 +1,96 @@
+"""CPU kernels for the paged KV cache (models/csrc/cpu_ops.cpp), compiled on first use with
+torch.utils.cpp_extension and cached per CPU and torch version under
+~/.cache/adaspec/kernels (about 30 s once; later processes load the cached build).
+
+Where they cannot be built (no compiler) or do not apply (another device or dtype),
+`cpu_ops()` returns None and models/attention.py computes the same attention with torch
+ops. ADASPEC_KERNELS=0 turns them off.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("adaspec.kernels")
+NAME = "adaspec_cpu_ops"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CACHE_ROOT = Path(os.environ.get("ADASPEC_KERNEL_CACHE", "~/.cache/adaspec/kernels")).expanduser()
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    """Built with -march=native: one build per CPU feature set, torch version and source."""
+    key = hashlib.sha256((_cpu_flags() + torch.__version__ + SOURCE.read_text()).encode()).hexdigest()[:16]
+    return CACHE_ROOT / key
+
+
+def cpu_ops():
+    """The compiled kernels, or None where they cannot be built or are turned off."""
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _load()
+        return _state["ops"]
+
+
+def _load():
+    if os.environ.get("ADASPEC_KERNELS", "1") == "0":
+        return None
+    where = build_dir()
+    built = where / f"{NAME}.so"
+    try:
+        if (where / "ok").is_file():  # built before: import it without asking the build tools again
+            return _import(built)
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        where.mkdir(parents=True, exist_ok=True)
+        module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(where),
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        (where / "ok").touch()
+        return module
+    except Exception as e:  # noqa: BLE001 - any build failure: fall back to torch ops, and say so
+        log.warning("CPU attention kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
+        return None
+
+
+def _import(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a Ray worker or an unactivated venv may not have the
+    pip-installed one there."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernels apply to tensors like t (float32 on the CPU, no autograd)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and not (torch.is_grad_enabled() and t.requires_grad)
