@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models import kernels
 from models.attention import AttnBatch, KVCache, new_kv_cache, paged_attention
 from models.config import ModelArch
 from models.layers import RMSNorm, RotaryEmbedding
@@ -45,7 +46,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = kernels.cpu_ops() if gate_up.dim() == 2 and kernels.usable(gate_up) else None
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

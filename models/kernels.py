@@ -1,4 +1,4 @@
-"""CPU kernels for the paged KV cache (models/csrc/cpu_ops.cpp), compiled on first use with
+"""CPU kernels (models/csrc/: attention over the paged KV cache, small-batch linear layers), compiled on first use with
 torch.utils.cpp_extension and cached per CPU and torch version under
 ~/.cache/adaspec/kernels (about 30 s once; later processes load the cached build).
 
@@ -16,10 +16,13 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 log = logging.getLogger("adaspec.kernels")
 NAME = "adaspec_cpu_ops"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "gemm.cpp", "elementwise.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "vec_math.h"]
 CACHE_ROOT = Path(os.environ.get("ADASPEC_KERNEL_CACHE", "~/.cache/adaspec/kernels")).expanduser()
 _lock = threading.Lock()
 _state: dict = {}
@@ -37,16 +40,35 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     """Built with -march=native: one build per CPU feature set, torch version and source."""
-    key = hashlib.sha256((_cpu_flags() + torch.__version__ + SOURCE.read_text()).encode()).hexdigest()[:16]
+    key = hashlib.sha256((_cpu_flags() + torch.__version__ + "".join(s.read_text() for s in SOURCES + HEADERS)).encode()).hexdigest()[:16]
     return CACHE_ROOT / key
 
 
 def cpu_ops():
     """The compiled kernels, or None where they cannot be built or are turned off."""
+    if "ops" in _state:
+        return _state["ops"]
     with _lock:
         if "ops" not in _state:
             _state["ops"] = _load()
         return _state["ops"]
+
+
+PACKED_MAX_ROWS = 512  # past this many rows (long prefills), MKL's blocked GEMM is the faster one
+
+
+def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias). Float32 inference on the CPU with at most PACKED_MAX_ROWS
+    rows goes to the packed kernel (models/csrc/gemm.cpp): the weight is packed on first use
+    and kept on `owner` (models/loader.py drops it when it loads new weights)."""
+    if x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and usable(x) and usable(weight):
+        ops = cpu_ops()
+        if ops is not None:
+            packed = owner.__dict__.get("_packed")
+            if packed is None or packed[0] != weight.data_ptr():
+                packed = owner.__dict__["_packed"] = (weight.data_ptr(), ops.pack_linear_weight(weight.detach()))
+            return ops.packed_linear(x.contiguous(), packed[1], weight.shape[0], bias)
+    return F.linear(x, weight, bias)
 
 
 def _load():
@@ -61,7 +83,7 @@ def _load():
 
         _ninja_on_path()
         where.mkdir(parents=True, exist_ok=True)
-        module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(where),
+        module = load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(where),
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         (where / "ok").touch()
         return module

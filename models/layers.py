@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from models import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6):
@@ -18,6 +20,9 @@ class RMSNorm(nn.Module):
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = kernels.cpu_ops() if x.dim() == 2 and kernels.usable(x) and kernels.usable(self.weight) else None
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
         # normalise in float32, then scale in the weights' dtype (as transformers does)
@@ -61,8 +66,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
-        """qk: (T, heads, hd), query and key heads side by side, rotated in one pass;
-        positions: (T,). `memo` (one per forward) shares the gathered cos/sin between layers."""
+        """qk: (T, heads, hd), query and key heads side by side, rotated in one pass (in place
+        where the CPU kernel applies); positions: (T,). `memo` (one per forward) shares the
+        gathered cos/sin between layers."""
+        if qk.stride(-1) == 1 and qk.stride(-2) == qk.shape[-1] and kernels.usable(qk):
+            ops = kernels.cpu_ops()
+            if ops is not None:
+                ops.rotary_(qk, positions, self.cos, self.sin)
+                return qk
         key = ("rope", self.cos.data_ptr())
         cached = memo.get(key) if memo is not None else None
         if cached is None:

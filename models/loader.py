@@ -62,6 +62,7 @@ def load_weights(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
             raise KeyError(f"checkpoint tensor {prefix + name!r} has no matching parameter")
         param = params[name]
         owners[name].weight_loader(param, full.to(param.dtype), shard)
+        owners[name].__dict__.pop("_packed", None)  # a packed copy of the old weight (models.kernels.linear)
         loaded.add(name)
     return loaded
 

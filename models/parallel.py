@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from models import kernels
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -58,7 +60,7 @@ class ReplicatedLinear(nn.Module):
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(self, x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -75,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_narrow(full, 0, self.tp.rank, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(self, x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -136,7 +138,7 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(_narrow(full, 1, self.tp.rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(kernels.linear(self, x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -174,5 +176,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     same full logits (needed for identical decisions without a broadcast)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last(kernels.linear(self, hidden, self.weight))
         return logits[..., : self.vocab_size]

@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 void check(const torch::Tensor& t, const char* name, int64_t dims, c10::ScalarType type) {
@@ -23,29 +25,6 @@ void check(const torch::Tensor& t, const char* name, int64_t dims, c10::ScalarTy
   TORCH_CHECK(t.dim() == dims, name, " must have ", dims, " dimensions, got ", t.dim());
   TORCH_CHECK(t.scalar_type() == type, name, " has the wrong dtype");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-// exp(x) for x <= 0, in a form the compiler vectorizes (std::exp does not): x = n ln2 + r
-// with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (relative error about 2e-7),
-// 2^n put straight into the exponent bits.
-inline void exp_inplace(float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.0f);
-    const float fn = std::floor(v * 1.44269504088896341f + 0.5f);
-    const float r = (v - fn * 0.693359375f) + fn * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-    float two_n;
-    std::memcpy(&two_n, &bits, sizeof(float));
-    x[i] = y * two_n;
-  }
 }
 
 }  // namespace
@@ -111,7 +90,7 @@ void attend_item(const float* qg, const float* kc, const float* vc, const int64_
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < P; ++p) m = std::max(m, srow[p]);
     for (int64_t p = 0; p < P; ++p) srow[p] -= m;
-    exp_inplace(srow, P);
+    adaspec::exp_inplace(srow, P);
     float sum = 0.0f;
     for (int64_t p = 0; p < P; ++p) sum += srow[p];
     const float inv = 1.0f / sum;
@@ -184,7 +163,23 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
+// gemm.cpp
+torch::Tensor pack_linear_weight(const torch::Tensor& w);
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                            const c10::optional<torch::Tensor>& bias);
+
+// elementwise.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("rotary_", &rotary_, "neox rotary embedding, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("pack_linear_weight", &pack_linear_weight, "pack a linear weight into 16-wide panels");
+  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a packed W", py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("bias") = py::none());
   m.def("cache_write", &cache_write, "write keys and values into the paged cache");
   m.def("paged_attention", &paged_attention, "attention of ragged queries over the paged cache");
 }

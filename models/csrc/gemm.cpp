@@ -1,0 +1,123 @@
+// Small-batch float32 linear layers for the CPU: y (M, N) = x (M, K) @ W^T (+ bias), with W
+// packed once into panels of 16 output features, (ceil(N / 16), K, 16): for each k, a
+// panel's 16 weights are one vector, so a register tile of 4 rows x 64 columns takes one
+// broadcast per row and four vector loads per k. Work is split over groups of 64 output
+// columns, so both cores share even a one-row product (MKL runs those on one).
+//
+// Every output element is one fused multiply-add chain over k in order, whatever M, the
+// tile or the thread that computes it: a row's result does not depend on the batch it was
+// computed in (verification of k + 1 tokens gives the logits one-token decoding would).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t LANES = 16;  // one AVX-512 vector of floats
+constexpr int64_t PANELS = 4;  // panels per column group (64 columns)
+constexpr int64_t ROWS = 4;    // rows per register tile
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(vec));
+  return v;
+}
+
+// Rows [0, R) of x against panels [0, P) starting at wp; columns beyond `cols` are dropped.
+template <int R, int P>
+void tile(const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  vec acc[R][P];
+  for (int j = 0; j < P; ++j) {
+    vec b = {};
+    if (bias != nullptr) {
+      for (int64_t l = 0; l < LANES && j * LANES + l < cols; ++l) b[l] = bias[j * LANES + l];
+    }
+    for (int r = 0; r < R; ++r) acc[r][j] = b;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    vec w[P];
+    for (int j = 0; j < P; ++j) w[j] = load(wp + (j * K + k) * LANES);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * K + k];
+      for (int j = 0; j < P; ++j) acc[r][j] += xv * w[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < P; ++j) {
+      const int64_t n = std::min<int64_t>(LANES, cols - j * LANES);
+      if (n <= 0) break;
+      std::memcpy(y + r * ldy + j * LANES, &acc[r][j], n * sizeof(float));
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
+
+template <int R>
+TileFn tile_for_panels(int64_t p) {
+  switch (p) {
+    case 1: return &tile<R, 1>;
+    case 2: return &tile<R, 2>;
+    case 3: return &tile<R, 3>;
+    default: return &tile<R, 4>;
+  }
+}
+
+TileFn tile_fn(int64_t rows, int64_t panels) {
+  switch (rows) {
+    case 1: return tile_for_panels<1>(panels);
+    case 2: return tile_for_panels<2>(panels);
+    case 3: return tile_for_panels<3>(panels);
+    default: return tile_for_panels<4>(panels);
+  }
+}
+
+}  // namespace
+
+// (N, K) weight -> (ceil(N / 16), K, 16) panels, zero-padded past N.
+torch::Tensor pack_linear_weight(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu(),
+              "weight must be a 2-D float32 CPU tensor");
+  const int64_t N = w.size(0), K = w.size(1), np = (N + LANES - 1) / LANES;
+  auto padded = torch::zeros({np * LANES, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({np, LANES, K}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                            const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == LANES && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "packed weight does not match x: expected (ceil(N/16), ", x.size(1), ", 16)");
+  TORCH_CHECK(packed.size(0) * LANES >= N && N > packed.size(0) * LANES - LANES, "N does not match the packed weight");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat32,
+                "bias must be N contiguous floats");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), K = x.size(1), np = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = (np + PANELS - 1) / PANELS;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * PANELS, panels = std::min(PANELS, np - p0);
+      const int64_t col0 = p0 * LANES, cols = std::min(panels * LANES, N - col0);
+      for (int64_t m = 0; m < M; m += ROWS) {
+        const int64_t rows = std::min(ROWS, M - m);
+        tile_fn(rows, panels)(xp + m * K, K, wp + p0 * K * LANES, bp ? bp + col0 : nullptr, yp + m * N + col0, N,
+                              cols);
+      }
+    }
+  });
+  return y;
+}
