@@ -77,6 +77,7 @@ class BenchConfig:
     max_output_len: int = 128
     serve_arms: list = field(default_factory=lambda: ["nospec", "static-3", "static-5", "static-7", "adaptive-7"])
     serve_vllm_arms: list = field(default_factory=lambda: ["vllm-nospec", "vllm-draft-3"])
+    serve_clients: list = field(default_factory=lambda: [1, 16, 64])  # closed-loop points, after the rates
 
 
 @dataclass
@@ -199,8 +200,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"speculative.num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
     if not cfg.bench.min_round_s > 0:
         raise ConfigError(f"bench.min_round_s={cfg.bench.min_round_s!r} must be > 0")
-    if not cfg.bench.serve_rates or not all(isinstance(r, (int, float)) and r > 0 for r in cfg.bench.serve_rates):
+    if not all(isinstance(r, (int, float)) and r > 0 for r in cfg.bench.serve_rates):
         raise ConfigError(f"bench.serve_rates={cfg.bench.serve_rates!r} must be positive fractions of the saturation")
+    if not all(isinstance(c, int) and c > 0 for c in cfg.bench.serve_clients):
+        raise ConfigError(f"bench.serve_clients={cfg.bench.serve_clients!r} must be positive client counts")
+    if not cfg.bench.serve_rates and not cfg.bench.serve_clients:
+        raise ConfigError("bench.serve_rates and bench.serve_clients are both empty: bench-serve would measure nothing")
     if cfg.cache.kv_tokens < cfg.model.max_model_len:
         raise ConfigError(f"cache.kv_tokens={cfg.cache.kv_tokens} is smaller than model.max_model_len="
                           f"{cfg.model.max_model_len}: one full-length sequence would not fit")

@@ -17,11 +17,12 @@ REQUESTS = 4
 def test_bench_serve_smoke(ray_session, tmp_path):
     overrides = list(TEST_SIZING) + [
         "parallel.tp_size=1", "speculative.adaptive.profile_on_start=false", f"bench.serve_arms={json.dumps(ARMS)}",
-        f"bench.serve_rates={RATES}", f"bench.serve_requests={REQUESTS}", "bench.max_output_len=8"]
+        f"bench.serve_rates={RATES}", f"bench.serve_requests={REQUESTS}", "bench.max_output_len=8",
+        "bench.serve_clients=[2]"]
     cfg = load_config("yamls/tiny.yaml", overrides)
     result = run_sweep(cfg, "yamls/tiny.yaml", overrides, tmp_path, trace=str(tmp_path / "trace.jsonl"))
     assert result["arms"] == ARMS and result["requests"] == REQUESTS
-    assert result["outputs_identical"] and set(result["texts_vs_base"]) == set(ARMS)
+    assert result["outputs_identical"] and set(result["texts_vs_base"]) == set(ARMS) | {"offline-nospec"}
     assert result["saturation"]["arm"] == "nospec" and result["saturation_rps"] > 0
     assert sorted((p["rate_fraction"], p["arm"]) for p in result["points"]) == sorted(
         (f, a) for f in RATES for a in ARMS)  # every arm at every rate
@@ -30,9 +31,13 @@ def test_bench_serve_smoke(ray_session, tmp_path):
         assert p["rate"] == round(p["rate_fraction"] * result["saturation_rps"], 4)
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert p[key]["p50"] <= p[key]["p90"] <= p[key]["p99"]
+    clients = result["client_points"]  # every arm and the offline engine, two closed-loop clients
+    assert sorted(p["arm"] for p in clients) == sorted(ARMS + ["offline-nospec"])
+    assert all(p["clients"] == 2 and p["completed"] == REQUESTS and p["errors"] == 0 for p in clients)
     saved = json.loads((tmp_path / "serve.json").read_text())
     assert saved["points"] == result["points"] and "texts" not in saved["points"][0]
-    assert (tmp_path / "serve.md").read_text().startswith("| arm")
+    report = (tmp_path / "serve.md").read_text()
+    assert report.startswith("| arm") and "| offline-nospec | 2 |" in report
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     static = list(read_trace(tmp_path / "trace.static-3.jsonl"))
     assert static and {line["label"] for line in static} == {"static-3"}

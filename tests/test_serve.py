@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -277,34 +278,51 @@ def test_stream_deltas_hold_back_what_may_change():
     assert deltas == ["Sure", ", caf", "é", ""] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_async_engine_batches_concurrent_requests(expected):
-    import asyncio
+def collect(loop, until, deadline_s: float = 120.0) -> list:
+    """Poll an EngineLoop until `until(updates so far)`; every update, in order."""
+    seen, start = [], time.monotonic()
+    while not until(seen):
+        assert time.monotonic() - start < deadline_s, "the engine loop stalled"
+        seen += loop.poll(0.5)
+    return seen
 
-    from cluster.serving.async_engine import AsyncEngine
+
+def test_engine_loop_batches_coalesces_and_aborts(expected):
+    """Concurrent requests share steps; a poll coalesces a sample's updates (its new tokens
+    joined); an aborted request leaves the engine and sends nothing more."""
     from cluster.engine.request import RequestError, RequestParams
+    from cluster.serving.engine_loop import EngineLoop
 
     engine = local_engine(tiny_config(*SERVER_SETTINGS))
     running: list[int] = []
     step = engine.step
     engine.step = lambda: (running.append(len(engine.scheduler.running)), step())[1]
-    async_engine = AsyncEngine(engine)
-
-    async def scenario():
-        outs = await asyncio.gather(*(async_engine.generate(p, greedy(MAX_TOKENS)) for p in PROMPTS[:4]))
-        with pytest.raises(RequestError, match="max_tokens"):
-            await async_engine.add("Hi", RequestParams(max_tokens=0))
-        await async_engine.add("Hi", greedy(4))  # never read: its stream must still go away
-        for _ in range(600):  # the engine finishes it, then the loop drops its stream
-            if not engine.has_work() and async_engine.num_streams == 0:
-                break
-            await asyncio.sleep(0.05)
-        return [o[0].text for o in outs]
-
+    loop = EngineLoop(engine)
     try:
-        assert asyncio.run(scenario()) == [e.text for e in expected[:4]]
-        assert max(running) >= 2 and async_engine.num_streams == 0
+        for i, p in enumerate(PROMPTS[:4]):
+            loop.add(f"r{i}", p, greedy(MAX_TOKENS))
+        time.sleep(0.3)  # let several steps' updates pile up before the first poll
+        updates = collect(loop, lambda seen: sum(u.finished for u in seen) == 4)
+        finals = {u.request_id: u for u in updates if u.finished}
+        assert [finals[f"r{i}"].text for i in range(4)] == [e.text for e in expected[:4]]
+        for i in range(4):  # the new tokens of every update, joined, are the output
+            joined = [t for u in updates if u.request_id == f"r{i}" for t in u.new_token_ids]
+            assert joined == finals[f"r{i}"].token_ids
+        assert len(updates) < 4 * MAX_TOKENS  # coalesced: fewer updates than tokens
+        assert max(running) >= 2
+        with pytest.raises(RequestError, match="max_tokens"):
+            loop.add("bad", "Hi", RequestParams(max_tokens=0))
+
+        loop.add("long", PROMPTS[0], greedy(400))
+        collect(loop, lambda seen: any(u.request_id == "long" for u in seen))
+        assert loop.abort("long") == 1
+        blocks = engine.scheduler.blocks
+        assert not engine.has_work() and not engine.seqs and len(blocks.free_blocks) == len(blocks.refs)
+        time.sleep(0.2)
+        assert all(u.request_id != "long" or not u.finished for u in loop.poll(0.1))
+        assert loop.abort("long") == 0  # already gone
     finally:
-        async_engine.shutdown()
+        loop.shutdown()
         engine.shutdown()
 
 
@@ -372,6 +390,41 @@ def test_fuzzed_requests_never_500(base_url):
         assert status < 500, (path, payload[:200], status)
 
     check()
+
+
+def test_client_that_goes_away_is_aborted(base_url):
+    """A streaming client that disconnects after two chunks: the engine drops its request
+    (counted as aborted) instead of generating all of it."""
+    import http.client as httpclient
+
+    host, port = base_url.removeprefix("http://").split(":")
+    _, before = http(base_url, "/metrics")
+    conn = httpclient.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True, "ignore_eos": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                    "Authorization": f"Bearer {API_KEY}"})
+    response = conn.getresponse()
+    assert response.status == 200
+    chunks = 0
+    while chunks < 2:
+        chunks += response.readline().startswith(b"data: ")
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, metrics = http(base_url, "/metrics")
+        if metric(metrics, "adaspec_aborted_sequences_total") == metric(before, "adaspec_aborted_sequences_total") + 1:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the disconnected request was not aborted")
+    assert metric(metrics, "adaspec_running_sequences") == 0
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
 
 
 def test_worker_death_mid_stream_is_survived(base_url, client):

@@ -1,5 +1,6 @@
 """The serving benchmark's client: streamed `/v1/completions` requests sent on a seeded
-Poisson schedule to any OpenAI-compatible server, and what each one measured."""
+Poisson schedule, or by a fixed number of closed-loop clients, to any OpenAI-compatible
+server, and what each one measured."""
 from __future__ import annotations
 
 import asyncio
@@ -112,5 +113,28 @@ async def run_load(url: str, model: str | None, specs: list[RequestSpec], rate: 
             await stream_completion(session, url, model, specs[i], api_key, results[i])
 
         await asyncio.gather(*(send(i) for i in range(len(specs))))
+        wall = max(r.end for r in results) - start
+    return results, wall
+
+
+async def run_clients(url: str, model: str | None, specs: list[RequestSpec], clients: int,
+                      api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    """`clients` closed-loop clients: each sends its next request as soon as its last one
+    finished, taking `specs` in order. Returns the results and the wall time."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    results = [RequestResult(sent=0.0) for _ in specs]
+    queue = iter(range(len(specs)))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter()
+
+        async def client() -> None:
+            for i in queue:
+                results[i].sent = time.perf_counter()
+                await stream_completion(session, url, model, specs[i], api_key, results[i])
+
+        await asyncio.gather(*(client() for _ in range(clients)))
         wall = max(r.end for r in results) - start
     return results, wall

@@ -15,9 +15,10 @@ Rounds: at each batch size b the prompts form waves of b concurrent sequences. O
 warm-up wave per arm (not counted) sets how many waves a round holds, so that every arm
 spends at least bench.min_round_s in each round; then bench.rounds rounds run, wave by
 wave, every arm on the same wave in an order shuffled (seeded) every wave, so neither a
-drift of the machine nor what ran just before favours an arm. Subprocess peers keep the
-cores busy for a moment after a wave (vLLM's workers poll for a second before they
-sleep): their arms run back to back and the next arm waits `settle_s` untimed. Each
+drift of the machine nor what ran just before favours an arm. Subprocess peers would keep
+the cores busy after a wave (vLLM's workers poll for a second before they sleep): their
+arms run back to back, then their processes are stopped (SIGSTOP) until their next wave,
+and the next arm waits `settle_s` untimed. Each
 arm's tok/s is the median over rounds with a 95% bootstrap interval; each ratio is the
 median of per-round ratios with its interval. `nospec-again`, plain decoding measured as a second arm, is the control: its ratio to
 nospec must have an interval that contains 1.0 (`control_ok`).
@@ -145,9 +146,11 @@ def run_rounds(group: list[Arm], runners: dict, prompts: list[list[int]], refs: 
             walls.append(got.wall_s)
             if record:
                 arm.record(got)
-            settle = runners[arm.name].settle_s
-            if settle and (i + 1 == len(order) or runners[order[i + 1].name] is not runners[arm.name]):
-                time.sleep(settle)
+            runner = runners[arm.name]
+            if runner.settle_s and (i + 1 == len(order) or runners[order[i + 1].name] is not runner):
+                if hasattr(runner, "pause"):
+                    runner.pause()
+                time.sleep(runner.settle_s)
         return walls
 
     warm = run_in_order(wave_order(group, runners, rng), 0, "warmup", record=False)
@@ -227,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if not cfg.speculative.enabled or not cfg.speculative.adaptive.enabled:
         raise ValueError("bench needs speculative.enabled=true and speculative.adaptive.enabled=true")
-    if cfg.speculative.num_speculative_tokens < max(cfg.bench.ks):
+    if not cfg.bench.ks and set(cfg.bench.policies) - {"nospec"}:
+        raise ValueError(f"bench.ks is empty: policies {cfg.bench.policies} other than nospec need at least one k")
+    if cfg.bench.ks and cfg.speculative.num_speculative_tokens < max(cfg.bench.ks):
         raise ValueError(f"speculative.num_speculative_tokens={cfg.speculative.num_speculative_tokens} is below "
                          f"max(bench.ks)={max(cfg.bench.ks)}")
     started = False if cfg.parallel.in_process else ensure_ray(cfg)  # a TP=1 in-process run needs no Ray

@@ -17,6 +17,7 @@ def markdown(result: dict) -> str:
             frac = "" if p["rate_fraction"] is None else f"{100 * p['rate_fraction']:.0f}%"
             lines.append(f"| {arm} | {p['rate']} | {frac} | {p['output_tok_per_s']} | {p['request_per_s']} | "
                          f"{_p(p['ttft_ms'])} | {_p(p['tpot_ms'])} | {_p(p['itl_ms'])} | {p['errors']} |")
+    lines += clients_table(result.get("client_points") or [])
     s = result["saturation"]
     vllm = result.get("vllm") or {}
     notes = [f"- {result['requests']} held-out ShareGPT requests per point (mean max_tokens "
@@ -31,19 +32,47 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + [""] + notes) + "\n"
 
 
+def clients_table(points: list[dict]) -> list[str]:
+    """Closed-loop points: throughput per arm and client count, with its ratio to vLLM's
+    plain server and to the offline engine at the same count."""
+    if not points:
+        return []
+    by = {(p["arm"], p["clients"]): p for p in points}
+
+    def ratio(p: dict, arm: str) -> str:
+        ref = by.get((arm, p["clients"]))
+        return "" if ref is None or ref is p or not ref["output_tok_per_s"] else \
+            f"{p['output_tok_per_s'] / ref['output_tok_per_s']:.2f}"
+
+    lines = ["", "Closed-loop clients (each sends its next request when its last one finished):", "",
+             "| arm | clients | output tok/s | / vllm-nospec | / offline-nospec | TTFT ms p50/p90/p99 | "
+             "TPOT ms p50/p90/p99 | errors |", "|" + "---|" * 8]
+    for p in sorted(points, key=lambda p: (p["arm"], p["clients"])):
+        lines.append(f"| {p['arm']} | {p['clients']} | {p['output_tok_per_s']} | {ratio(p, 'vllm-nospec')} | "
+                     f"{ratio(p, 'offline-nospec')} | {_p(p['ttft_ms'])} | {_p(p['tpot_ms'])} | {p['errors']} |")
+    return lines
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    clients = result.get("client_points") or []
+    fig, axes = plt.subplots(1, 3 if clients else 2, figsize=(18 if clients else 12, 4.4))
     for arm in result["arms"]:
         pts = sorted((p for p in result["points"] if p["arm"] == arm), key=lambda p: p["rate"])
         rates = [p["rate"] for p in pts]
         style = "--" if arm.startswith("vllm") else "-"
         axes[0].plot(rates, [p["output_tok_per_s"] for p in pts], style, marker="o", label=arm)
         axes[1].plot(rates, [p["tpot_ms"]["p50"] for p in pts], style, marker="o", label=arm)
+    for arm in sorted({p["arm"] for p in clients}):
+        pts = sorted((p for p in clients if p["arm"] == arm), key=lambda p: p["clients"])
+        style = "--" if arm.startswith("vllm") else ":" if arm.startswith("offline") else "-"
+        axes[2].plot([p["clients"] for p in pts], [p["output_tok_per_s"] for p in pts], style, marker="o", label=arm)
+    if clients:
+        axes[2].set(xlabel="closed-loop clients", ylabel="output tok/s", title="throughput by clients", xscale="log")
     axes[0].set(xlabel="request rate (req/s)", ylabel="output tok/s", title="throughput")
     axes[1].set(xlabel="request rate (req/s)", ylabel="ms", title="TPOT p50")
     for ax in axes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -47,6 +48,7 @@ class Target:
     url: str
     model: str | None
     settle_s: float = 0.0  # untimed pause after measuring it (a peer that keeps polling)
+    server: object = None  # a peer server stopped between its measurements (vllm_peer.Pausable)
 
 
 def arm_overrides(arm: str) -> list[str]:
@@ -110,8 +112,21 @@ def compare_texts(base: dict, points: list[dict]) -> dict:
 
 def measure(target: Target, specs: list[RequestSpec], rate: float, seed: int, fraction: float | None = None,
             api_key: str | None = None) -> dict:
-    results, wall = asyncio.run(run_load(target.url, target.model, specs, rate, seed, api_key))
+    with running(target):
+        results, wall = asyncio.run(run_load(target.url, target.model, specs, rate, seed, api_key))
     return point(target.arm, rate, fraction, results, wall)
+
+
+@contextlib.contextmanager
+def running(target: Target):
+    """A peer server runs only while it is measured (its processes are stopped otherwise)."""
+    if target.server is not None:
+        target.server.resume()
+    try:
+        yield
+    finally:
+        if target.server is not None:
+            target.server.pause()
 
 
 class OurServers:
@@ -182,7 +197,9 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
             targets += ours.targets
             if bench.vllm_python:
                 peers = vllm_servers(cfg, out_dir)
-                targets += [Target(s.name, s.url, s.name, SETTLE_S) for s in peers]
+                targets += [Target(s.name, s.url, s.name, SETTLE_S, s) for s in peers]
+                for s in peers:
+                    s.pause()
         for t in tqdm(targets, desc="warm-up", mininterval=2):
             measure(t, specs[:WARMUP_REQUESTS], float("inf"), bench.seed)
             time.sleep(t.settle_s)
@@ -198,24 +215,55 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
                 time.sleep(t.settle_s)
                 bar.update()
         bar.close()
-        identical = compare_texts(saturation, points)
+        client_points = closed_loop(cfg, config, overrides, targets, specs, ours is not None, rng)
+        identical = compare_texts(saturation, points + client_points)
     finally:
         for s in peers:
             s.close()
         if ours is not None:
             ours.close()
-    for p in [saturation] + points:
+    for p in [saturation] + points + client_points:
         del p["texts"]
     result = {"config": cfg.to_dict(), "url": url, "arms": [t.arm for t in targets], "requests": len(specs),
               "outputs_identical": all(v["identical"] for a, v in identical.items() if not a.startswith("vllm")),
               "texts_vs_base": identical,
               "mean_max_tokens": round(float(np.mean([s.max_tokens for s in specs])), 1),
               "saturation": saturation, "saturation_rps": sat_rps, "points": points,
+              "client_points": client_points,
               "vllm": ({"servers": {s.name: round(s.start_s, 1) for s in peers}} if peers else
                        {"skipped": "bench.vllm_python is not set" if not url else "--url given"}),
               "machine": _machine(cfg), "elapsed_s": round(time.perf_counter() - started, 1)}
     write_outputs(result, out_dir)
     return result
+
+
+def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Target], specs: list[RequestSpec],
+                offline: bool, rng: random.Random) -> list[dict]:
+    """bench.serve_clients points for every arm, plus (with our servers) the offline engine
+    on the same requests, in an order shuffled per client count."""
+    from cluster.bench.clients import OfflineClients, measure_clients
+    from cluster.config import load_config
+
+    if not cfg.bench.serve_clients:
+        return []
+    runners: list = list(targets)
+    if offline:
+        runners.append(OfflineClients(load_config(config, list(overrides) + arm_overrides("nospec"))))
+    out = []
+    try:
+        bar = tqdm(total=len(cfg.bench.serve_clients) * len(runners), desc="clients", mininterval=2)
+        for clients in cfg.bench.serve_clients:
+            for r in rng.sample(runners, len(runners)):
+                out.append(r.measure(specs, clients) if isinstance(r, OfflineClients) else
+                           measure_clients(r, specs, clients))
+                time.sleep(r.settle_s)
+                bar.update()
+        bar.close()
+    finally:
+        for r in runners:
+            if isinstance(r, OfflineClients):
+                r.close()
+    return out
 
 
 def _machine(cfg) -> str:

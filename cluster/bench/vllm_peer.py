@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -17,8 +18,30 @@ KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: the tiny model's waves need far les
 # vLLM's workers poll their shared-memory queue for 1 s after each message (shm_broadcast's
 # busy_loop_s) and Intel OpenMP spins 200 ms after each parallel region: whatever ran next
 # would share the cores with that. Measured here: plain decoding right after a vLLM wave ran
-# at 0.36x-0.82x of plain decoding elsewhere in the order.
-SETTLE_S = 1.5
+# at 0.36x-0.82x of plain decoding elsewhere in the order, and with a 1.5 s settle still at
+# 0.80x at batch 32 (3100 against 3840 tok/s with no vLLM process alive). So a vLLM process
+# group is stopped (SIGSTOP) whenever it is not the arm being measured, and continued for
+# its own waves: an idle peer then takes no CPU at all.
+SETTLE_S = 0.1
+
+
+class Pausable:
+    """A subprocess started in its own session, so its whole group (vLLM's engine core and
+    workers too) can be stopped between its measurements and continued for them."""
+
+    proc: subprocess.Popen
+    paused = False
+
+    def pause(self) -> None:
+        if not self.paused and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGCONT)
 
 
 class PeerError(RuntimeError):
@@ -42,7 +65,7 @@ def vllm_env(python: str, extra: dict) -> dict:
     return env
 
 
-class VLLMPeer:
+class VLLMPeer(Pausable):
     def __init__(self, python: str, model: str, draft: str | None, k: int, max_num_seqs: int, max_model_len: int,
                  log_path: Path, env: dict | None = None):
         if not Path(python).is_file():
@@ -55,13 +78,14 @@ class VLLMPeer:
         self.env = vllm_env(python, env or {})
         self.proc = subprocess.Popen([python, str(WORKER), json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env,
-                                     cwd=str(log_path.parent))
+                                     cwd=str(log_path.parent), start_new_session=True)
         t0 = time.monotonic()
         ready = self._read()
         self.version = ready.get("vllm", "?")
         self.start_s = time.monotonic() - t0
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> WaveResult:
+        self.resume()
         self._send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
         out = self._read()
         tokens = sum(len(t) - 1 for t in out["token_ids"])
@@ -69,12 +93,13 @@ class VLLMPeer:
         return WaveResult(out["token_ids"], out["wall_s"], None if tpot is None else tpot * tokens, tokens)
 
     def close(self) -> None:
+        self.resume()
         if self.proc.poll() is None:
             try:
                 self._send({"op": "quit"})
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired, PeerError):
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
 
     def _send(self, cmd: dict) -> None:
@@ -102,7 +127,7 @@ class VLLMArms:
     draft_model speculation with the bundled draft, k in bench.ks), one live subprocess per
     configuration, started one after another (their compile steps do not overlap)."""
 
-    settle_s = SETTLE_S  # untimed pause before an arm of another runner follows one of ours
+    settle_s = SETTLE_S  # untimed pause before an arm of another runner follows one of ours (after `pause`)
 
     def __init__(self, cfg, out_dir: Path):
         from tqdm import tqdm
@@ -134,6 +159,11 @@ class VLLMArms:
                  label: str = "") -> WaveResult:
         return self.peers[arm.k].generate(prompts, max_tokens)
 
+    def pause(self) -> None:
+        """Stop every peer's processes until its next wave (see SETTLE_S)."""
+        for peer in self.peers.values():
+            peer.pause()
+
     def describe(self) -> dict:
         any_peer = next(iter(self.peers.values()))
         env = {k: any_peer.env[k] for k in ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE") if k in any_peer.env}
@@ -148,7 +178,7 @@ class VLLMArms:
             peer.close()
 
 
-class VLLMServer:
+class VLLMServer(Pausable):
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the same
     checkpoint, plain or with the bundled draft, in a subprocess on a free local port."""
 
@@ -170,7 +200,7 @@ class VLLMServer:
         self._log = log_path.open("w")
         self.env = vllm_env(python, env or {})
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(log_path.parent))
+                                     cwd=str(log_path.parent), start_new_session=True)
         t0 = time.monotonic()
         self._wait_ready()
         self.start_s = time.monotonic() - t0
@@ -199,10 +229,11 @@ class VLLMServer:
         return PeerError(f"vLLM server {what}; last lines of {self.log_path}:\n" + "\n".join(tail))
 
     def close(self) -> None:
+        self.resume()
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()

@@ -95,6 +95,16 @@ class Engine:
         self.scheduler.add(samples[0])
         return request_id
 
+    def abort(self, request_id: str) -> int:
+        """Drop every sample of a request (its client went away); returns how many were live."""
+        seqs = [s for s in self.seqs.values() if s.request_id == request_id]
+        for seq in seqs:
+            seq.finish_reason = "abort"
+            del self.seqs[seq.seq_id]
+        self.scheduler.abort(seqs)
+        self.stats.aborted += len(seqs)
+        return len(seqs)
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: send token ids", "prompt")

@@ -43,6 +43,14 @@ class Scheduler:
         self.blocks.release(seq)
         self.to_free.append(seq.seq_id)
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop sequences wherever they are: waiting, running, or not yet forked."""
+        for seq in seqs:
+            if seq.status is Status.WAITING and any(w is seq for w in self.waiting):
+                self.waiting.remove(seq)
+            seq.forks = []
+            self.finish(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -23,6 +23,7 @@ class EngineStats:
     draft_steps_run: int = 0  # draft forwards, summed over decode steps
     zero_budget_steps: int = 0  # decode steps that drafted nothing
     recoveries: int = 0  # worker groups rebuilt after a rank died
+    aborted: int = 0  # sequences dropped because their request was aborted
     decode_seq_ms: float = 0.0  # sum over decode steps of (sequences in the step) x (step wall time)
     decode_tokens: int = 0  # tokens emitted by decode steps; decode-only TPOT = decode_seq_ms / decode_tokens
     accepted_per_position: list[int] = field(default_factory=list)

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP serving on Ray Serve: `/v1/completions`, `/v1/chat/completions`
-(SSE streaming), `/v1/models`, `/health`, `/metrics`. One replica drives one Engine,
-whose TP worker actors it starts inside the running Ray.
+(SSE streaming), `/v1/models`, `/health`, `/metrics`. One replica serves HTTP and drives
+one Engine in an engine actor of its own (cluster/serving/engine_client.py), which starts
+the TP worker actors inside the running Ray.
 
     serve run yamls/serve.yaml                                     # Serve's own CLI
     adaspec serve --config yamls/tiny.yaml --port 8000             # the same, as a command
@@ -21,7 +22,8 @@ from ray import serve
 
 from cluster.config import Config, ConfigError, load_config
 from cluster.engine.request import RequestError, RequestOutput
-from cluster.serving.async_engine import AsyncEngine, EngineDeadError
+from cluster.serving.engine_client import EngineClient, RequestStream
+from cluster.serving.engine_loop import EngineDeadError
 from cluster.serving.protocol import (APIError, ChatBody, CompletionBody, SSEState, chat_prompt, completion_prompt,
                                       error_body, parse_body, request_error, response_body)
 from models.config import TINY_DIR
@@ -73,16 +75,16 @@ def resolve_config_path(path: str | None) -> str | None:
 @serve.deployment(name="adaspec", ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
 @serve.ingress()
 class OpenAIServer:
-    """The replica: an Engine (TP workers as Ray actors), its loop thread and the routes."""
+    """The replica: the routes, tokenization and SSE here; the Engine in its engine actor."""
 
     def __init__(self, config: str | None, overrides: list[str]):
-        from cluster.engine.core import Engine
+        from cluster.engine.core import load_tokenizer
         from cluster.serving.metrics import ServerMetrics
 
         self.cfg = load_config(config, overrides)
-        self.engine = Engine(self.cfg)
-        self.async_engine = AsyncEngine(self.engine)
-        self.metrics = ServerMetrics(self.async_engine)
+        self.tokenizer = load_tokenizer(self.cfg.model.target)
+        self.engine = EngineClient(self.cfg, self.tokenizer)
+        self.metrics = ServerMetrics(self.engine)
         self.created = int(time.time())
         self.model_name = served_model_name(self.cfg)
 
@@ -90,12 +92,11 @@ class OpenAIServer:
         return build_routes(self)
 
     async def check_health(self) -> None:
-        if not self.async_engine.is_alive():
-            raise RuntimeError(f"engine loop stopped: {self.async_engine.error!r}")
+        if not self.engine.is_alive():
+            raise RuntimeError(f"engine loop stopped: {self.engine.error!r}")
 
     def __del__(self):
-        if getattr(self, "async_engine", None) is not None:
-            self.async_engine.shutdown()
+        if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
 
     # ------------------------------------------------------------------ requests
@@ -105,27 +106,29 @@ class OpenAIServer:
             raise APIError(400, f"model {body.model!r} is not served here; this server serves {name!r}",
                            param="model", code="model_not_found")
 
-    async def encode_chat(self, text: str) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok.bos_token and text.startswith(tok.bos_token):  # the template already holds BOS
-            return await self.async_engine.encode(text, add_special_tokens=False)
-        return await self.async_engine.encode(text)
+    def encode_chat(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        # the template may already hold BOS
+        return self.engine.encode(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token)))
 
     async def respond(self, kind: str, body: BaseModel, prompt, max_tokens: int) -> Response:
         start, params = time.monotonic(), body.to_params(max_tokens)
         if params.n > self.cfg.serve.max_n:
             raise RequestError(f"n must be at most {self.cfg.serve.max_n} on this server (serve.max_n), got {params.n}",
                                "n")
-        stream = await self.async_engine.add(prompt, params)
+        stream = await self.engine.add(prompt, params)
         name, rid = self.model_name, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{stream.request_id}"
         if body.stream:
             state = SSEState(kind, rid, name, int(time.time()), params.n, params.stop, body.include_usage())
             return StreamingResponse(self._sse(stream, state, start), media_type="text/event-stream")
-        outputs = await stream.final()
+        try:
+            outputs = await stream.final()
+        finally:  # the client went away (the handler was cancelled): stop generating for it
+            await self.engine.abort(stream)
         self.metrics.observe_finished(outputs, time.monotonic() - start)
         return JSONResponse(response_body(kind, rid, name, int(time.time()), outputs))
 
-    async def _sse(self, stream, state: SSEState, start: float):
+    async def _sse(self, stream: RequestStream, state: SSEState, start: float):
         final: dict[int, RequestOutput] = {}
         try:
             for chunk in state.opening():
@@ -140,6 +143,8 @@ class OpenAIServer:
                 yield chunk
         except EngineDeadError as e:
             yield f"data: {json.dumps(error_body(str(e), 'server_error', None, None))}\n\n"
+        finally:  # closed early (the client disconnected): stop generating for it
+            await self.engine.abort(stream)
         yield "data: [DONE]\n\n"
 
 
@@ -175,7 +180,7 @@ def build_routes(server: OpenAIServer) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatBody, limit)
         server.check_model(body)
-        ids = await server.encode_chat(chat_prompt(server.engine.tokenizer, body))
+        ids = server.encode_chat(chat_prompt(server.tokenizer, body))
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         if max_tokens is None:  # as OpenAI: up to the context limit
             max_tokens = max(server.engine.max_model_len - len(ids), 1)
@@ -189,9 +194,9 @@ def build_routes(server: OpenAIServer) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if server.async_engine.is_alive():
+        if server.engine.is_alive():
             return JSONResponse({"status": "ok"})
-        return APIError(503, f"engine loop stopped: {server.async_engine.error!r}", kind="server_error").response()
+        return APIError(503, f"engine loop stopped: {server.engine.error!r}", kind="server_error").response()
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -29,19 +29,25 @@ class EngineSnapshot:
     accepted_per_position: list[int]
     verified_per_position: list[int]
     recoveries: int
+    aborted: int
 
 
-def snapshot(engine) -> EngineSnapshot:
+def engine_state(engine) -> tuple[EngineSnapshot, object]:
+    """(read in the engine's process, under its lock) the counters a scrape shows, and the
+    time-model link's last known report (None without adaptive speculation)."""
     s = engine.stats
-    return EngineSnapshot(len(engine.scheduler.waiting), len(engine.scheduler.running), s.drafted, s.verified,
-                          s.accepted, list(s.accepted_per_position), list(s.verified_per_position), s.recoveries)
+    snap = EngineSnapshot(len(engine.scheduler.waiting), len(engine.scheduler.running), s.drafted, s.verified,
+                          s.accepted, list(s.accepted_per_position), list(s.verified_per_position), s.recoveries,
+                          s.aborted)
+    link = engine.time_models
+    return snap, (link.report() if link is not None else None)  # a report never waits on the profile actor
 
 
 class ServerMetrics:
     """One registry per server (not the process-wide default one)."""
 
-    def __init__(self, async_engine):
-        self.async_engine = async_engine
+    def __init__(self, engine):
+        self.engine = engine  # anything with state() -> engine_state(...)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("adaspec_requests", "HTTP requests answered", ["route", "status"], registry=r)
@@ -93,7 +99,7 @@ class _EngineCollector:
         return []
 
     def collect(self):
-        snap = self.metrics.async_engine.snapshot(snapshot)
+        snap, report = self.metrics.engine.state()
         yield _gauge("adaspec_queue_depth", "Requests waiting to be scheduled", snap.waiting)
         yield _gauge("adaspec_running_sequences", "Sequences being prefilled or decoded", snap.running)
         for name, doc, value in (("drafted", "Draft tokens proposed", snap.drafted),
@@ -102,6 +108,8 @@ class _EngineCollector:
             yield CounterMetricFamily(f"adaspec_spec_{name}_tokens", doc, value=value)
         yield CounterMetricFamily("adaspec_worker_recoveries", "Worker groups rebuilt after a rank died",
                                   value=snap.recoveries)
+        yield CounterMetricFamily("adaspec_aborted_sequences", "Sequences dropped because their client went away",
+                                  value=snap.aborted)
         mal = self.metrics.mean_acceptance_length()
         if mal is not None:
             yield _gauge("adaspec_mean_acceptance_length", "Tokens emitted per decode step (1 + accepted drafts)",
@@ -112,13 +120,11 @@ class _EngineCollector:
             if ver:
                 rate.add_metric([str(j)], acc / ver)
         yield rate
-        yield from self._time_model()
+        yield from self._time_model(report)
 
-    def _time_model(self):
-        link = self.metrics.async_engine.engine.time_models
-        if link is None:
+    def _time_model(self, report):
+        if report is None:
             return
-        report = link.report()  # the link's last known state: a scrape never waits on the profile actor
         yield _gauge("adaspec_time_model_version", "Validate-time model version in use", report.version)
         if report.mape is not None:
             yield _gauge("adaspec_time_model_mape", "Validate-time model mean absolute percentage error", report.mape)

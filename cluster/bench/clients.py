@@ -1,0 +1,64 @@
+"""bench-serve's closed-loop points: `bench.serve_clients` clients, each sending its next
+request when its last one finished, against every server arm; and the same requests run
+offline through an in-process Engine with as many in flight (`offline-nospec`), the
+bound a server of this engine could reach, so a served arm's cost shows as a ratio."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cluster.bench.load import RequestResult, RequestSpec, run_clients
+
+OFFLINE_ARM = "offline-nospec"
+
+
+def measure_clients(target, specs: list[RequestSpec], clients: int) -> dict:
+    from cluster.bench.serving import point, running
+
+    with running(target):
+        results, wall = asyncio.run(run_clients(target.url, target.model, specs, clients))
+    return {**point(target.arm, float("inf"), None, results, wall), "rate": None, "clients": clients}
+
+
+class OfflineClients:
+    """The engine without a server: requests admitted as closed-loop clients would send them."""
+
+    arm, settle_s = OFFLINE_ARM, 0.0
+
+    def __init__(self, cfg):
+        from cluster.engine.core import Engine
+
+        self.engine = Engine(cfg)
+
+    def measure(self, specs: list[RequestSpec], clients: int) -> dict:
+        from cluster.bench.serving import point
+        from cluster.engine.request import RequestParams
+
+        engine, results = self.engine, [RequestResult(sent=0.0) for _ in specs]
+        upcoming, live = iter(range(len(specs))), 0
+
+        def send() -> bool:
+            i = next(upcoming, None)
+            if i is None:
+                return False
+            params = RequestParams(max_tokens=specs[i].max_tokens, temperature=0.0)
+            engine.add_request(specs[i].prompt, params, request_id=str(i))
+            results[i].sent = time.perf_counter()
+            return True
+
+        start = time.perf_counter()
+        for _ in range(clients):
+            live += send()
+        while live:
+            for out in engine.step():
+                r = results[int(out.request_id)]
+                if out.new_token_ids and not r.chunk_times:
+                    r.chunk_times.append(time.perf_counter())
+                if out.finished:
+                    r.end, r.text, r.tokens = time.perf_counter(), out.text, len(out.token_ids)
+                    live += send() - 1
+        wall = max(r.end for r in results) - start
+        return {**point(self.arm, float("inf"), None, results, wall), "rate": None, "clients": clients}
+
+    def close(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,118 @@
+"""EngineLoop: an Engine stepped by its own thread, for serving. Other threads reach the
+Engine only through `call` (under the lock, let in ahead of the next step) and collect
+what the steps produced with `poll`, a long poll that returns every update since the last
+one, coalesced per sample: a slow reader gets fewer, larger updates instead of a backlog.
+
+It runs inside the engine actor (cluster/serving/engine_client.py), a process of its own,
+so the model never shares an interpreter lock with the HTTP event loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from cluster.engine.request import RequestOutput, RequestParams
+
+log = logging.getLogger("adaspec.engine_loop")
+IDLE_WAIT_S = 0.005  # pause when the engine has work but could schedule nothing
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no new requests are taken."""
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()  # guards the Engine
+        self._callers = 0  # threads waiting to call into the Engine: the loop lets them in first
+        self._callers_lock = threading.Lock()
+        self._stopped = False
+        self._outbox: dict[tuple[str, int], RequestOutput] = {}
+        self._outbox_cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="adaspec-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers
+    def call(self, fn, *args):
+        """fn(*args) under the engine lock, ahead of the loop's next step."""
+        with self._callers_lock:
+            self._callers += 1
+        try:
+            with self._cond:
+                return fn(*args)
+        finally:
+            with self._callers_lock:
+                self._callers -= 1
+            with self._cond:
+                self._cond.notify_all()
+
+    def add(self, request_id: str, prompt: str | list[int], params: RequestParams) -> None:
+        """Queue a request; raises RequestError for bad input, EngineDeadError when stopped."""
+        self.call(self._add, request_id, prompt, params)
+
+    def abort(self, request_id: str) -> int:
+        """Drop a request's samples (its client went away); their updates stop."""
+        return self.call(self.engine.abort, request_id)
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        """Every update since the last poll (waiting up to timeout_s for one): per sample the
+        newest output, its new_token_ids holding all tokens since the last poll."""
+        with self._outbox_cond:
+            self._outbox_cond.wait_for(lambda: self._outbox or not self.is_alive(), timeout_s)
+            if not self._outbox and not self.is_alive():
+                raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
+            updates, self._outbox = list(self._outbox.values()), {}
+        return updates
+
+    def is_alive(self) -> bool:
+        return self.error is None and not self._stopped and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        with self._outbox_cond:
+            self._outbox_cond.notify_all()
+
+    # ------------------------------------------------------------------ the loop thread
+    def _add(self, request_id: str, prompt, params: RequestParams) -> None:
+        if not self.is_alive():
+            raise EngineDeadError(f"the engine is not running ({self.error!r})")
+        self.engine.add_request(prompt, params, request_id=request_id)
+
+    def _ready(self) -> bool:
+        return self._stopped or (self._callers == 0 and self.engine.has_work())
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(self._ready)
+                    if self._stopped:
+                        return
+                    steps = self.engine.stats.steps
+                    outputs = self.engine.step()
+                    if self.engine.stats.steps == steps:  # nothing could be scheduled: don't spin
+                        self._cond.wait(IDLE_WAIT_S)
+                self._publish(outputs)
+        except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
+            log.exception("engine loop stopped")
+            self.error = e
+            with self._outbox_cond:
+                self._outbox_cond.notify_all()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        with self._outbox_cond:
+            for out in outputs:
+                key = (out.request_id, out.sample_index)
+                earlier = self._outbox.get(key)
+                if earlier is not None:
+                    out = dataclasses.replace(out, new_token_ids=earlier.new_token_ids + out.new_token_ids)
+                self._outbox[key] = out
+            self._outbox_cond.notify_all()
