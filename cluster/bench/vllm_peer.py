@@ -192,7 +192,8 @@ class VLLMServer(Pausable):
         self.url, self.name, self.log_path = f"http://127.0.0.1:{port}", name, log_path
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--tokenizer", model,
                 "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, "--seed", "0"]
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, "--seed", "0",
+                "--no-enable-prefix-caching"]  # every point repeats the same requests: no cache hits
         if draft:
             args += ["--speculative-config",
                      json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": k})]

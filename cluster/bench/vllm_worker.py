@@ -29,7 +29,9 @@ def main() -> None:
         spec = {"method": "draft_model", "model": cfg["draft"], "num_speculative_tokens": cfg["k"]}
     llm = LLM(model=cfg["model"], tokenizer=cfg["model"], dtype=cfg.get("dtype", "float32"),
               max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"], seed=0,
-              speculative_config=spec, disable_log_stats=False, **cfg.get("engine_args", {}))
+              speculative_config=spec, disable_log_stats=False,
+              enable_prefix_caching=False,  # rounds repeat the same prompts: a cache hit would skip their prefill
+              **cfg.get("engine_args", {}))
 
     def generate(prompts, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -113,6 +113,72 @@ void attend_item(const float* qg, const float* kc, const float* vc, const int64_
   for (int64_t h = 0; h < G; ++h) std::copy(acc[h], acc[h] + hd, out + h * hd);
 }
 
+// The same for block size 16 (one vector of keys per dimension), with every accumulator an
+// explicit vector so it stays in a register: G heads' scores of a block while its keys
+// stream by, then G x HD/16 output vectors while the values do.
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(vec16));
+  return v;
+}
+
+template <int HD, int G>
+void attend_item16(const float* qg, const float* kc, const float* vc, const int64_t* table, int64_t P, int64_t,
+                   int64_t nkv, int64_t g, int64_t, int64_t, float scale, std::vector<float>& scores, float* out) {
+  constexpr int64_t B = 16, NV = HD / 16;
+  const int64_t nblocks = (P + B - 1) / B, stride = nblocks * B;
+  scores.resize(G * stride);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* kt = kc + ((table[b] * nkv + g) * HD) * B;  // (HD, 16)
+    vec16 acc[G];
+    for (int h = 0; h < G; ++h) acc[h] = vec16{};
+    for (int64_t d = 0; d < HD; ++d) {
+      const vec16 k = load16(kt + d * B);
+      for (int h = 0; h < G; ++h) acc[h] += qg[h * HD + d] * k;
+    }
+    for (int h = 0; h < G; ++h) {
+      const vec16 sc = acc[h] * scale;
+      std::memcpy(scores.data() + h * stride + b * B, &sc, sizeof(vec16));
+    }
+  }
+  float inv[G];
+  for (int h = 0; h < G; ++h) {  // softmax over positions 0..P-1 (normalised at the end)
+    float* srow = scores.data() + h * stride;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t p = 0; p < P; ++p) m = std::max(m, srow[p]);
+#pragma omp simd
+    for (int64_t p = 0; p < P; ++p) srow[p] -= m;
+    adaspec::exp_inplace(srow, P);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < P; ++p) sum += srow[p];
+    inv[h] = 1.0f / sum;
+  }
+  vec16 o[G][NV];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < NV; ++j) o[h][j] = vec16{};
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const float* vb = vc + ((table[b] * nkv + g) * B) * HD;  // (16, HD)
+    const int64_t n = std::min(B, P - b * B);
+    for (int64_t i = 0; i < n; ++i) {
+      vec16 v[NV];
+      for (int j = 0; j < NV; ++j) v[j] = load16(vb + i * HD + j * 16);
+      for (int h = 0; h < G; ++h) {
+        const float w = scores[h * stride + b * B + i];
+        for (int j = 0; j < NV; ++j) o[h][j] += w * v[j];
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < NV; ++j) {
+      const vec16 r = o[h][j] * inv[h];
+      std::memcpy(out + h * HD + j * 16, &r, sizeof(vec16));
+    }
+}
+
 // Attention of T query tokens (T, nh, hd) over the cache. Token t belongs to sequence
 // q_seq[t] and sits at position q_pos[t]: it attends to that sequence's positions
 // 0..q_pos[t] (which must already be in the cache). tables: (n, W) block tables.
@@ -144,10 +210,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   auto item_fn = &attend_item<0, 0, 0>;  // specialised for the common shapes
-  if (B == 16 && hd == 32 && G == 4) item_fn = &attend_item<16, 32, 4>;
-  else if (B == 16 && hd == 64 && G == 4) item_fn = &attend_item<16, 64, 4>;
-  else if (B == 16 && hd == 128 && G == 4) item_fn = &attend_item<16, 128, 4>;
-  else if (B == 16 && hd == 128 && G == 8) item_fn = &attend_item<16, 128, 8>;
+  if (B == 16 && hd == 32 && G == 4) item_fn = &attend_item16<32, 4>;
+  else if (B == 16 && hd == 64 && G == 4) item_fn = &attend_item16<64, 4>;
+  else if (B == 16 && hd == 128 && G == 4) item_fn = &attend_item16<128, 4>;
+  else if (B == 16 && hd == 128 && G == 8) item_fn = &attend_item16<128, 8>;
   else if (B == 16 && hd == 64) item_fn = &attend_item<16, 64, 0>;
   else if (B == 16 && hd == 128) item_fn = &attend_item<16, 128, 0>;
 
