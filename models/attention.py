@@ -5,14 +5,15 @@ at position p of sequence i writes block table[i][p // B] at offset p % B. Atten
 positions 0..p, so a slot written by a rejected draft is simply overwritten when that
 position is computed again (gpt-fast's trick): rejection needs no cache bookkeeping.
 
-Three paths, one result:
-  short queries (decode and verification: the last token and its drafts, at most
-      SHORT_QUERY per sequence), float32 on the CPU: the paged kernel
-      (models/csrc/cpu_ops.cpp) reads keys and values where they lie; no gather, no padding
-  prefill chunks: per sequence, causal SDPA over the chunk's own keys (a chunk that
-      continues a sequence reads its cached prefix)
-  anything else (another device or dtype, autograd, no compiler): the contexts gathered
-      through the block tables, queries padded to the longest, SDPA with a mask
+Two paths, one result:
+  float32 on the CPU: the paged kernel (models/csrc/cpu_ops.cpp) reads keys and values
+      where they lie, for decode, ragged verification and prefill chunks alike; no gather,
+      no padding
+  anything else (another device or dtype, autograd, no compiler), with torch ops:
+      prefill chunks per sequence, causal SDPA over the chunk's own keys (a chunk that
+      continues a sequence reads its cached prefix); short queries (at most SHORT_QUERY
+      per sequence) gather their contexts through the block tables, padded to the
+      longest, masked
 """
 from __future__ import annotations
 

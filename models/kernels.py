@@ -54,7 +54,7 @@ def cpu_ops():
         return _state["ops"]
 
 
-PACKED_MAX_ROWS = 512  # past this many rows (long prefills), MKL's blocked GEMM is the faster one
+PACKED_MAX_ROWS = 1024  # past this many rows (long prefills), MKL's blocked GEMM is the faster one
 
 
 def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -116,13 +116,8 @@ void attend_item(const float* qg, const float* kc, const float* vc, const int64_
 // The same for block size 16 (one vector of keys per dimension), with every accumulator an
 // explicit vector so it stays in a register: G heads' scores of a block while its keys
 // stream by, then G x HD/16 output vectors while the values do.
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(vec16));
-  return v;
-}
+using adaspec::load16;
+using adaspec::vec16;
 
 template <int HD, int G>
 void attend_item16(const float* qg, const float* kc, const float* vc, const int64_t* table, int64_t P, int64_t,

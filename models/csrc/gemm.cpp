@@ -51,7 +51,11 @@ void tile(const float* x, int64_t K, const float* wp, const float* bias, float* 
     for (int j = 0; j < P; ++j) {
       const int64_t n = std::min<int64_t>(LANES, cols - j * LANES);
       if (n <= 0) break;
-      std::memcpy(y + r * ldy + j * LANES, &acc[r][j], n * sizeof(float));
+      if (n == LANES) {
+        std::memcpy(y + r * ldy + j * LANES, &acc[r][j], sizeof(vec));  // a fixed size: one vector store
+      } else {
+        std::memcpy(y + r * ldy + j * LANES, &acc[r][j], n * sizeof(float));
+      }
     }
   }
 }
