@@ -26,6 +26,7 @@ from cluster.serving.engine_loop import EngineDeadError, EngineLoop
 log = logging.getLogger("adaspec.engine_client")
 POLL_WAIT_S = 1.0  # a poll returns at once when there are updates, else after this long
 MAX_CONCURRENT_CALLS = 32  # actor threads: one long poll, adds, aborts and metric scrapes
+SWITCH_INTERVAL_S = 0.001
 
 
 class EngineActor:
@@ -33,9 +34,14 @@ class EngineActor:
     values, so the replica re-raises them exactly (param, Retry-After)."""
 
     def __init__(self, cfg: Config):
+        import sys
+
         from cluster.engine.core import Engine
 
-        self.loop = EngineLoop(Engine(cfg))
+        # Ray's threads here (polls, adds) take the interpreter lock between the loop's steps:
+        # hand it over within 1 ms, not Python's default 5
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self.loop = EngineLoop(Engine(cfg), threads=cfg.serve.engine_threads)
 
     def info(self) -> dict:
         return {"max_model_len": self.loop.engine.max_model_len}
@@ -117,6 +123,7 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._counter = itertools.count()
         self._poller: asyncio.Task | None = None
+        self.poll_interval_s = cfg.serve.stream_interval_ms / 1e3
 
     @property
     def max_model_len(self) -> int:
@@ -192,7 +199,9 @@ class EngineClient:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def _poll(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 updates = await self.actor.poll.remote(POLL_WAIT_S)
             except asyncio.CancelledError:
@@ -211,6 +220,9 @@ class EngineClient:
                     if stream.done:
                         self._streams.pop(out.request_id, None)
                 stream.queue.put_nowait(out)
+            # at most one poll per interval: each costs the engine's process a Ray call, and
+            # what arrives meanwhile comes coalesced in the next one
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (loop.time() - started)))
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = list(self._streams.values()), {}

@@ -23,8 +23,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine):
+    def __init__(self, engine, threads: int = 0):
+        """threads: intra-op threads of the stepping thread (0: leave torch's setting)."""
         self.engine = engine
+        self.threads = threads
         self.error: BaseException | None = None
         self._cond = threading.Condition()  # guards the Engine
         self._callers = 0  # threads waiting to call into the Engine: the loop lets them in first
@@ -88,6 +90,10 @@ class EngineLoop:
         return self._stopped or (self._callers == 0 and self.engine.has_work())
 
     def _run(self) -> None:
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)  # a thread's own setting: the in-process rank's kernels run here
         try:
             while True:
                 with self._cond:

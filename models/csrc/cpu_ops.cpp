@@ -234,13 +234,17 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
+// The kernels touch no Python object: they run without the interpreter lock, so other
+// threads of the process (a server's request handling) go on meanwhile.
+using nogil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
-  m.def("rotary_", &rotary_, "neox rotary embedding, in place");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("pack_linear_weight", &pack_linear_weight, "pack a linear weight into 16-wide panels");
-  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a packed W", py::arg("x"), py::arg("packed"),
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row", nogil());
+  m.def("rotary_", &rotary_, "neox rotary embedding, in place", nogil());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil());
+  m.def("pack_linear_weight", &pack_linear_weight, "pack a linear weight into 16-wide panels", nogil());
+  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a packed W", nogil(), py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none());
-  m.def("cache_write", &cache_write, "write keys and values into the paged cache");
-  m.def("paged_attention", &paged_attention, "attention of ragged queries over the paged cache");
+  m.def("cache_write", &cache_write, "write keys and values into the paged cache", nogil());
+  m.def("paged_attention", &paged_attention, "attention of ragged queries over the paged cache", nogil());
 }
