@@ -37,11 +37,11 @@ class StepSample:
 
 
 class ProfileRegistry:
-    def __init__(self, refit_every: int = 64, initial: TimeModel | None = None):
+    def __init__(self, refit_every: int = 64, initial: TimeModel | None = None, sweep: list[StepSample] = ()):
         self.refit_every = refit_every
         self.model = initial or TimeModel()
         self.last_report: FitReport | None = None
-        self.sweep: list[StepSample] = []
+        self.sweep: list[StepSample] = list(sweep)  # the startup sweep, kept in every refit
         self.online: deque[StepSample] = deque(maxlen=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0

@@ -82,7 +82,7 @@ class AttnBatch:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: AttnBatch,
                     scale: float) -> torch.Tensor:
     """q: (T, nh, hd); k, v: (T, nkv, hd), written into the cache first. Returns (T, nh, hd)."""
-    ops = kernels.cpu_ops() if kernels.usable(q) else None
+    ops = kernels.ops_for(q)
     write_cache(k, v, cache, batch, ops)
     if ops is not None:
         return ops.paged_attention(q.contiguous(), cache[0], cache[1], batch.tables, batch.q_seq, batch.positions,

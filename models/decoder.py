@@ -47,7 +47,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        ops = kernels.cpu_ops() if gate_up.dim() == 2 and kernels.usable(gate_up) else None
+        ops = kernels.ops_for(gate_up) if gate_up.dim() == 2 else None
         if ops is not None:
             return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

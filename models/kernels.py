@@ -2,9 +2,9 @@
 torch.utils.cpp_extension and cached per CPU and torch version under
 ~/.cache/adaspec/kernels (about 30 s once; later processes load the cached build).
 
-Where they cannot be built (no compiler) or do not apply (another device or dtype),
-`cpu_ops()` returns None and models/attention.py computes the same attention with torch
-ops. ADASPEC_KERNELS=0 turns them off.
+Where they cannot be built (no compiler) or are turned off (ADASPEC_KERNELS=0), `cpu_ops()`
+returns None; where they do not apply (another device or dtype, autograd), `ops_for()`
+does. Every caller then computes the same thing with torch ops.
 """
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ def cpu_ops():
         return _state["ops"]
 
 
+def ops_for(*tensors: torch.Tensor):
+    """The kernels when they apply to all of `tensors` (float32 on the CPU, no autograd), else None."""
+    return cpu_ops() if all(usable(t) for t in tensors) else None
+
+
 PACKED_MAX_ROWS = 1024  # past this many rows (long prefills), MKL's blocked GEMM is the faster one
 
 
@@ -61,8 +66,8 @@ def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """F.linear(x, weight, bias). Float32 inference on the CPU with at most PACKED_MAX_ROWS
     rows goes to the packed kernel (models/csrc/gemm.cpp): the weight is packed on first use
     and kept on `owner` (models/loader.py drops it when it loads new weights)."""
-    if x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and usable(x) and usable(weight):
-        ops = cpu_ops()
+    if x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+        ops = ops_for(x, weight)
         if ops is not None:
             packed = owner.__dict__.get("_packed")
             if packed is None or packed[0] != weight.data_ptr():

@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.cpu_ops() if x.dim() == 2 and kernels.usable(x) and kernels.usable(self.weight) else None
+        ops = kernels.ops_for(x, self.weight) if x.dim() == 2 else None
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -69,11 +69,10 @@ class RotaryEmbedding(nn.Module):
         """qk: (T, heads, hd), query and key heads side by side, rotated in one pass (in place
         where the CPU kernel applies); positions: (T,). `memo` (one per forward) shares the
         gathered cos/sin between layers."""
-        if qk.stride(-1) == 1 and qk.stride(-2) == qk.shape[-1] and kernels.usable(qk):
-            ops = kernels.cpu_ops()
-            if ops is not None:
-                ops.rotary_(qk, positions, self.cos, self.sin)
-                return qk
+        ops = kernels.ops_for(qk) if qk.stride(-1) == 1 and qk.stride(-2) == qk.shape[-1] else None
+        if ops is not None:
+            ops.rotary_(qk, positions, self.cos, self.sin)
+            return qk
         key = ("rope", self.cos.data_ptr())
         cached = memo.get(key) if memo is not None else None
         if cached is None:

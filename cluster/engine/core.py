@@ -235,9 +235,6 @@ class Engine:
                              drafted=seq.drafted, verified=seq.verified, accepted=seq.accepted,
                              ttft_s=seq.first_token_time - seq.arrival, tpot_ms=tpot)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.decoder(ids) if self.decoder is not None else ""
-
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: list[str | list[int]], params: RequestParams) -> list[list[RequestOutput]]:
         """Run prompts to completion; returns, per prompt, its `n` finished outputs."""

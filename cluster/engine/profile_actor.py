@@ -30,8 +30,7 @@ class ProfileActor:
             except ray.exceptions.RayError:  # a dead rank: the Engine is rebuilding the group
                 pass
         initial = max(held + [initial], key=lambda m: m.version)
-        self.registry = ProfileRegistry(refit_every, initial)
-        self.registry.sweep = list(sweep)
+        self.registry = ProfileRegistry(refit_every, initial, sweep)
         self.ranks = ranks
         self.acked = initial.version
 

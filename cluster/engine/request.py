@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import enum
 import time
-from cluster.engine.detokenizer import IncrementalText
 from dataclasses import dataclass, field
 
+from cluster.engine.detokenizer import IncrementalText
 from workers.plan import SamplingParams
 
 

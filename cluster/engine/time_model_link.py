@@ -62,8 +62,7 @@ class LocalTimeModelLink:
     """The registry in this process, for an in-process rank: refits are installed at once."""
 
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: WorkerGroup):
-        self.registry = ProfileRegistry(refit_every, initial)
-        self.registry.sweep = list(sweep)
+        self.registry = ProfileRegistry(refit_every, initial, sweep)
         self.workers = workers
         self.version = initial.version
 

@@ -56,6 +56,21 @@ void cache_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
   }
 }
 
+// exp(s - max) over a row of P scores, in place; returns 1 / their sum (the caller scales
+// its weighted sum of values once instead of every score).
+static float softmax_unnormalised(float* srow, int64_t P) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t p = 0; p < P; ++p) m = std::max(m, srow[p]);
+#pragma omp simd
+  for (int64_t p = 0; p < P; ++p) srow[p] -= m;
+  adaspec::exp_inplace(srow, P);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t p = 0; p < P; ++p) sum += srow[p];
+  return 1.0f / sum;
+}
+
 // One (token, KV head) work item: the G query heads sharing KV head g attend to positions
 // 0..P-1 through the block table. BB, HD and GG are the block size, head dimension and
 // heads per KV head when known at compile time (0: read at run time); then the heads'
@@ -85,17 +100,8 @@ void attend_item(const float* qg, const float* kc, const float* vc, const int64_
       for (int64_t i = 0; i < B; ++i) srow[i] = acc[h][i] * scale;
     }
   }
-  for (int64_t h = 0; h < G; ++h) {  // softmax over positions 0..P-1
-    float* srow = scores.data() + h * nblocks * B;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < P; ++p) m = std::max(m, srow[p]);
-    for (int64_t p = 0; p < P; ++p) srow[p] -= m;
-    adaspec::exp_inplace(srow, P);
-    float sum = 0.0f;
-    for (int64_t p = 0; p < P; ++p) sum += srow[p];
-    const float inv = 1.0f / sum;
-    for (int64_t p = 0; p < P; ++p) srow[p] *= inv;
-  }
+  float inv[MAXG];
+  for (int64_t h = 0; h < G; ++h) inv[h] = softmax_unnormalised(scores.data() + h * nblocks * B, P);
   // out_h = sum_p w[h][p] v_p: each value row read once for all G heads
   float acc[MAXG][MAXHD] = {};
   for (int64_t b = 0; b < nblocks; ++b) {
@@ -110,7 +116,8 @@ void attend_item(const float* qg, const float* kc, const float* vc, const int64_
       }
     }
   }
-  for (int64_t h = 0; h < G; ++h) std::copy(acc[h], acc[h] + hd, out + h * hd);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = acc[h][d] * inv[h];
 }
 
 // The same for block size 16 (one vector of keys per dimension), with every accumulator an
@@ -139,19 +146,7 @@ void attend_item16(const float* qg, const float* kc, const float* vc, const int6
     }
   }
   float inv[G];
-  for (int h = 0; h < G; ++h) {  // softmax over positions 0..P-1 (normalised at the end)
-    float* srow = scores.data() + h * stride;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t p = 0; p < P; ++p) m = std::max(m, srow[p]);
-#pragma omp simd
-    for (int64_t p = 0; p < P; ++p) srow[p] -= m;
-    adaspec::exp_inplace(srow, P);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < P; ++p) sum += srow[p];
-    inv[h] = 1.0f / sum;
-  }
+  for (int h = 0; h < G; ++h) inv[h] = softmax_unnormalised(scores.data() + h * stride, P);
   vec16 o[G][NV];
   for (int h = 0; h < G; ++h)
     for (int j = 0; j < NV; ++j) o[h][j] = vec16{};
