@@ -143,10 +143,14 @@ class RayTimeModelLink:
             self._buffer = []
 
     def poll(self, step: int) -> int:
+        if step % POLL_EVERY == 0:
+            self._refresh()
+        return self.version
+
+    def _refresh(self) -> None:
+        """Take the actor's status if an earlier request has answered, else ask; never waits."""
         import ray
 
-        if step % POLL_EVERY:
-            return self.version
         try:
             if self._pending is None:
                 self._pending = self.actor.status.remote()
@@ -157,7 +161,6 @@ class RayTimeModelLink:
         except ray.exceptions.RayError as e:  # actor died: keep the last acknowledged version
             log.warning("profile actor unavailable (%s); planning with time model v%d", type(e).__name__, self.version)
             self._pending = None
-        return self.version
 
     def _update(self, status: TimeModelReport) -> None:
         if status.version >= self.status.version:
@@ -186,4 +189,5 @@ class RayTimeModelLink:
         return self.version
 
     def report(self) -> TimeModelReport:
+        self._refresh()  # an idle engine polls no more: a scrape moves the status along itself
         return self.status
