@@ -205,6 +205,9 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
             time.sleep(t.settle_s)
         base = next(t for t in targets if t.arm in ("nospec", "url"))
         saturation = measure(base, specs, float("inf"), bench.seed)
+        if not saturation["completed"]:
+            raise RuntimeError(f"{base.arm} completed none of {len(specs)} requests at saturation; errors: "
+                               f"{saturation['error_examples']}")
         sat_rps = saturation["request_per_s"]
         points = []
         rng = random.Random(bench.seed)
