@@ -51,10 +51,9 @@ class ServeConfig:
     model_name: str | None = None  # served name; None: the checkpoint directory's (adaspec-tiny when bundled)
     max_request_bytes: int = 1 << 20  # larger request bodies are refused (HTTP 413)
     max_n: int = 16  # samples per HTTP request (the offline engine takes any n)
-    # the engine actor's stepping thread runs the TP=1 rank's kernels with this many threads: OpenMP
-    # regions opened from a thread other than a process's main one cost 30-55 us each here (6x), so one
-    # thread served 2x faster than two at one client, and leaves a core to the HTTP side
-    engine_threads: int = 1
+    # threads of the served TP=1 rank's kernels (0: parallel.threads(), all cores); fewer leave cores
+    # to the HTTP side of the same machine
+    engine_threads: int = 0
     stream_interval_ms: float = 5.0  # the replica polls the engine at most this often (updates coalesce)
 
 
@@ -205,7 +204,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"speculative.num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
     if cfg.serve.engine_threads < 0 or not cfg.serve.stream_interval_ms >= 0:
         raise ConfigError(f"serve.engine_threads={cfg.serve.engine_threads} and serve.stream_interval_ms="
-                          f"{cfg.serve.stream_interval_ms} must be >= 0 (0 threads: torch's own setting)")
+                          f"{cfg.serve.stream_interval_ms} must be >= 0 (0 threads: the rank's own setting)")
     if not cfg.bench.min_round_s > 0:
         raise ConfigError(f"bench.min_round_s={cfg.bench.min_round_s!r} must be > 0")
     if not all(isinstance(r, (int, float)) and r > 0 for r in cfg.bench.serve_rates):

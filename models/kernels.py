@@ -21,8 +21,9 @@ from torch import nn
 
 log = logging.getLogger("adaspec.kernels")
 NAME = "adaspec_cpu_ops"
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "gemm.cpp", "elementwise.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "vec_math.h"]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "gemm.cpp", "elementwise.cpp",
+                                                                     "thread_pool.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "thread_pool.h")]
 CACHE_ROOT = Path(os.environ.get("ADASPEC_KERNEL_CACHE", "~/.cache/adaspec/kernels")).expanduser()
 _lock = threading.Lock()
 _state: dict = {}
@@ -50,8 +51,22 @@ def cpu_ops():
         return _state["ops"]
     with _lock:
         if "ops" not in _state:
-            _state["ops"] = _load()
+            ops = _load()
+            if ops is not None:
+                ops.set_num_threads(_state.get("threads") or torch.get_num_threads())
+            _state["ops"] = ops
         return _state["ops"]
+
+
+def set_threads(n: int) -> None:
+    """Threads for torch's ops and for the kernels' own pool (models/csrc/thread_pool.cpp),
+    which costs the same from any thread where OpenMP's regions cost 6x off the main thread."""
+    torch.set_num_threads(n)
+    with _lock:
+        _state["threads"] = n
+        ops = _state.get("ops")
+    if ops is not None:
+        ops.set_num_threads(n)
 
 
 def ops_for(*tensors: torch.Tensor):
@@ -89,7 +104,8 @@ def _load():
         _ninja_on_path()
         where.mkdir(parents=True, exist_ok=True)
         module = load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(where),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-pthread"],
+                      extra_ldflags=["-fopenmp", "-pthread"], verbose=False)
         (where / "ok").touch()
         return module
     except Exception as e:  # noqa: BLE001 - any build failure: fall back to torch ops, and say so

@@ -83,3 +83,72 @@ def test_silu_mul(ops):
     gate_up = torch.randn(7, 2 * 96) * 20  # far into both tails of the sigmoid
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def _attention_inputs(tokens: int, g: torch.Generator):
+    nkv, hd, blocks, bs = 4, 32, 8, 16
+    k_cache, v_cache = torch.randn(blocks, nkv, hd, bs, generator=g), torch.randn(blocks, nkv, bs, hd, generator=g)
+    tables = torch.arange(blocks, dtype=torch.int64).view(2, 4)
+    q = torch.randn(tokens, 16, hd, generator=g)
+    q_seq = torch.arange(tokens, dtype=torch.int64) % 2
+    q_pos = torch.randint(0, 4 * bs, (tokens,), generator=g)
+    return q, k_cache, v_cache, tables, q_seq, q_pos
+
+
+def test_thread_pool_results_do_not_depend_on_threads_or_caller(ops):
+    """The kernels' pool (models/csrc/thread_pool.cpp) splits work that any thread may take:
+    the same bits from 1 or 2 threads, from the main thread or another one."""
+    import threading
+
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(768, 256, generator=g), torch.randn(32, 256, generator=g)
+    packed, att = ops.pack_linear_weight(w), _attention_inputs(24, g)
+    run = lambda: (ops.packed_linear(x, packed, 768), ops.paged_attention(*att, 0.17),  # noqa: E731
+                   ops.rms_norm(x, w[0], 1e-6))
+    before = ops.get_num_threads()
+    try:
+        ops.set_num_threads(2)
+        main = run()
+        elsewhere = []
+        t = threading.Thread(target=lambda: elsewhere.extend(run()))
+        t.start(), t.join()
+        ops.set_num_threads(1)
+        single = run()
+    finally:
+        ops.set_num_threads(before)
+    for a, b, c in zip(main, elsewhere, single):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_thread_pool_passes_a_kernels_error_on(ops):
+    """An error raised inside a pool job (here a position past the block table) reaches the caller."""
+    q, k_cache, v_cache, tables, q_seq, q_pos = _attention_inputs(24, torch.Generator().manual_seed(2))
+    q_pos[17] = 200
+    with pytest.raises(RuntimeError, match="past the sequence's block table"):
+        ops.paged_attention(q, k_cache, v_cache, tables, q_seq, q_pos, 0.17)
+    q_pos[17] = 3  # the pool still works afterwards
+    assert ops.paged_attention(q, k_cache, v_cache, tables, q_seq, q_pos, 0.17).isfinite().all()
+
+
+def test_thread_pool_works_in_a_forked_child(ops):
+    """A forked child has none of its parent's pool threads: it starts its own."""
+    import os
+
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(300, 256, generator=g), torch.randn(40, 256, generator=g)
+    packed = ops.pack_linear_weight(w)
+    expected = ops.packed_linear(x, packed, 300)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, send the bytes, leave without running pytest's teardown
+        try:
+            os.write(write_end, ops.packed_linear(x, packed, 300).numpy().tobytes())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    got = b""
+    with os.fdopen(read_end, "rb") as f:
+        while chunk := f.read():
+            got += chunk
+    os.waitpid(pid, 0)
+    assert got == expected.numpy().tobytes()

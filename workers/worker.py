@@ -13,6 +13,7 @@ import torch.distributed as dist
 from controller.config import SpeculativeConfig
 from controller.policy import SpecPolicy
 from controller.time_model import TimeModel
+from models import kernels
 from models.config import ModelArch, ModelConfig
 from models.loader import load_causal_lm
 from models.mtp import load_mtp
@@ -48,7 +49,7 @@ class TPWorker:
     def __init__(self, rank: int, model: ModelConfig, spec: SpeculativeConfig, parallel: ParallelConfig,
                  cache: CacheConfig):
         self.rank, self.model_cfg, self.spec, self.parallel, self.cache_cfg = rank, model, spec, parallel, cache
-        torch.set_num_threads(parallel.threads())
+        kernels.set_threads(parallel.threads())
         self.runner: ModelRunner | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:

@@ -24,7 +24,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineLoop:
     def __init__(self, engine, threads: int = 0):
-        """threads: intra-op threads of the stepping thread (0: leave torch's setting)."""
+        """threads: the kernels' threads for the in-process rank (0: leave its setting)."""
         self.engine = engine
         self.threads = threads
         self.error: BaseException | None = None
@@ -91,9 +91,9 @@ class EngineLoop:
 
     def _run(self) -> None:
         if self.threads:
-            import torch
+            from models import kernels
 
-            torch.set_num_threads(self.threads)  # a thread's own setting: the in-process rank's kernels run here
+            kernels.set_threads(self.threads)
         try:
             while True:
                 with self._cond:

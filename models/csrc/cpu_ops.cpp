@@ -7,7 +7,7 @@
 // Position p of a sequence lives in block table[p / B] at offset p % B. Attention reads the
 // blocks where they lie: no gather of contexts, no padding of queries.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -207,7 +207,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   else if (B == 16 && hd == 64) item_fn = &attend_item<16, 64, 0>;
   else if (B == 16 && hd == 128) item_fn = &attend_item<16, 128, 0>;
 
-  at::parallel_for(0, T * nkv, 1, [&](int64_t begin, int64_t end) {
+  adaspec::parallel_for(0, T * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / nkv, g = item % nkv;
@@ -242,4 +242,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("bias") = py::none());
   m.def("cache_write", &cache_write, "write keys and values into the paged cache", nogil());
   m.def("paged_attention", &paged_attention, "attention of ragged queries over the paged cache", nogil());
+  m.def("set_num_threads", &adaspec::set_num_threads, "threads of the kernels' pool, the caller's included", nogil());
+  m.def("get_num_threads", &adaspec::get_num_threads, "threads of the kernels' pool");
 }

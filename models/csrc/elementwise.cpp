@@ -2,7 +2,7 @@
 // takes four to eight small ops (about 4 us each here, more than the arithmetic at decode
 // sizes): RMSNorm, the rotary embedding (in place) and SwiGLU's silu(gate) * up.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <cstdint>
 #include <algorithm>
@@ -33,7 +33,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, grain(H), [&](int64_t begin, int64_t end) {
+  adaspec::parallel_for(0, T, grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * ld;
       float ss = 0.0f;
@@ -62,7 +62,7 @@ void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Ten
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, grain(heads * hd), [&](int64_t begin, int64_t end) {
+  adaspec::parallel_for(0, T, grain(heads * hd), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " is outside the rotary table");
       const float* c = cp + pos[t] * half;
@@ -96,7 +96,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   auto y = torch::empty({T, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+  adaspec::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
     using adaspec::vec16;
     for (int64_t t = begin; t < end; ++t) {
       const float* g = gp + t * ld;

@@ -8,7 +8,7 @@
 // tile or the thread that computes it: a row's result does not depend on the batch it was
 // computed in (verification of k + 1 tokens gives the logits one-token decoding would).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -112,7 +112,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t groups = (np + PANELS - 1) / PANELS;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  adaspec::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p0 = g * PANELS, panels = std::min(PANELS, np - p0);
       const int64_t col0 = p0 * LANES, cols = std::min(panels * LANES, N - col0);
