@@ -54,6 +54,9 @@ class ServeConfig:
     # threads of the served TP=1 rank's kernels (0: parallel.threads(), all cores); fewer leave cores
     # to the HTTP side of the same machine
     engine_threads: int = 0
+    # the app's replica answers HTTP on serve.port itself, no proxy hop (Ray Serve's throughput mode;
+    # set for an embedded Ray: a cluster reached by address keeps its own setting)
+    direct_ingress: bool = True
     stream_interval_ms: float = 5.0  # the replica polls the engine at most this often (updates coalesce)
 
 

@@ -19,9 +19,14 @@ from cluster.engine.request import RequestParams  # noqa: E402
 def ray_session():
     import ray
 
+    from cluster.serving import ingress
+    from workers.worker import free_port
+
     temp = tempfile.mkdtemp(prefix="adaspec-ray-", dir="/tmp")
+    direct = ingress.ray_env(free_port(), 64)  # Serve apps answer on their own ports, as `adaspec serve`'s
+    os.environ.update(direct)
     ray.init(num_cpus=8, include_dashboard=False, _temp_dir=temp, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **direct}})
     yield ray
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)

@@ -120,6 +120,41 @@ def test_thread_pool_results_do_not_depend_on_threads_or_caller(ops):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_thread_pool_survives_back_to_back_jobs(ops):
+    """Many small jobs in a row, of alternating chunk counts, with more threads than cores
+    (so any thread may be descheduled anywhere): every result complete and right. (A race
+    where a late worker took a chunk of the next job once crashed the served engine; it
+    needs a preemption within nanoseconds, which this does not reliably reproduce.)"""
+    import threading
+
+    g = torch.Generator().manual_seed(4)
+    shapes = [(768, 256), (4096, 64), (100, 256)]
+    weights = [torch.randn(n, k, generator=g) for n, k in shapes]
+    packed = [ops.pack_linear_weight(w) for w in weights]
+    xs = [torch.randn(1, k, generator=g) for _, k in shapes]
+    expected = [ops.packed_linear(x, p, w.shape[0]) for x, p, w in zip(xs, packed, weights)]
+    wrong = []
+
+    def hammer():
+        for i in range(20000):
+            j = i % 3
+            if not torch.equal(ops.packed_linear(xs[j], packed[j], weights[j].shape[0]), expected[j]):
+                wrong.append(i)
+
+    before = ops.get_num_threads()
+    try:
+        ops.set_num_threads(2)
+        others = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in others:
+            t.start()
+        hammer()
+        for t in others:
+            t.join()
+    finally:
+        ops.set_num_threads(before)
+    assert not wrong
+
+
 def test_thread_pool_passes_a_kernels_error_on(ops):
     """An error raised inside a pool job (here a position past the block table) reaches the caller."""
     q, k_cache, v_cache, tables, q_seq, q_pos = _attention_inputs(24, torch.Generator().manual_seed(2))

@@ -67,13 +67,16 @@ def base_url(ray_session):
     from ray import serve
 
     from cluster.serving.app import build_app
+    from cluster.serving.ingress import app_url
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         app = build_app({"config": "yamls/tiny.yaml", "overrides": overrides_of(tiny_config(*SERVER_SETTINGS))})
         serve.run(app, name="adaspec-test", route_prefix="/", blocking=False)
-        yield f"http://127.0.0.1:{port}"
+        url = app_url("adaspec-test", "/", f"http://127.0.0.1:{port}")
+        assert url != f"http://127.0.0.1:{port}", "the app should answer on its own port (direct ingress)"
+        yield url
     finally:
         serve.shutdown()
 

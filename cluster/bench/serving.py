@@ -129,6 +129,9 @@ def running(target: Target):
             target.server.pause()
 
 
+PORT_RANGE = 64  # ports the arms' replicas may take (ports in use are skipped)
+
+
 class OurServers:
     """One Ray Serve application per arm (the app `adaspec serve` runs), route prefix /<arm>."""
 
@@ -136,10 +139,13 @@ class OurServers:
         from ray import serve
 
         from cluster.engine.ray_env import ensure_ray
+        from cluster.serving import ingress
         from cluster.serving.app import build_app, resolve_config_path, served_model_name
         from workers.worker import free_port
 
-        self.started_ray = ensure_ray(cfg)
+        # each arm's replica answers on a port of its own (serve.direct_ingress), as `adaspec serve`'s
+        direct = ingress.ray_env(free_port(), PORT_RANGE) if cfg.serve.direct_ingress else None
+        self.started_ray = ensure_ray(cfg, direct)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.targets = []
@@ -151,7 +157,8 @@ class OurServers:
                 extra += [f"engine.trace_path={t.with_name(f'{t.stem}.{arm}{t.suffix}')}", f"engine.trace_label={arm}"]
             serve.run(build_app({"config": config, "overrides": list(overrides) + extra}), name=arm,
                       route_prefix=f"/{arm}", blocking=False)
-            self.targets.append(Target(arm, f"http://127.0.0.1:{port}/{arm}", served_model_name(cfg)))
+            url = ingress.app_url(arm, f"/{arm}", f"http://127.0.0.1:{port}")
+            self.targets.append(Target(arm, url, served_model_name(cfg)))
 
     def close(self) -> None:
         import ray

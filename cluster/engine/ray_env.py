@@ -7,8 +7,10 @@ import os
 from cluster.config import Config
 
 
-def ensure_ray(cfg: Config) -> bool:
-    """Initialise Ray if needed; returns True when this call started it."""
+def ensure_ray(cfg: Config, env: dict[str, str] | None = None) -> bool:
+    """Initialise Ray if needed; returns True when this call started it. `env` is set for an
+    embedded Ray's processes (Ray's own settings, read when they start); a Ray reached by
+    address keeps its own."""
     import ray
 
     if ray.is_initialized():
@@ -20,7 +22,8 @@ def ensure_ray(cfg: Config) -> bool:
         return True
     p = cfg.parallel
     need = math.ceil(p.tp_size * max(p.num_cpus_per_worker, 0.01)) + 1  # ranks plus the driver
+    os.environ.update(env or {})  # the raylet and every worker inherit it
     ray.init(num_cpus=cfg.cluster.num_cpus or need, include_dashboard=cfg.cluster.include_dashboard,
              _temp_dir=cfg.cluster.temp_dir, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **(env or {})}})
     return True

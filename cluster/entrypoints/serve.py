@@ -10,6 +10,7 @@ instance too when this command started it.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -54,24 +55,32 @@ class Serving:
 
 
 def start(config: str | None, overrides: list[str]) -> Serving:
-    """Ray (embedded unless cluster.address is set), Serve's proxy, and the app, running."""
+    """Ray (embedded unless cluster.address is set) and the app, answering on serve.port: its
+    replica itself with serve.direct_ingress on an embedded Ray, else Serve's proxy."""
+    import ray
     from ray import serve
 
     from cluster.engine.ray_env import ensure_ray
+    from cluster.serving import ingress
     from cluster.serving.app import build_app, resolve_config_path
+    from workers.worker import free_port
 
     config = resolve_config_path(config)
     cfg = load_config(config, overrides)
-    started = ensure_ray(cfg)
+    direct = cfg.serve.direct_ingress and not ray.is_initialized() and not (cfg.cluster.address or
+                                                                             os.environ.get("RAY_ADDRESS"))
+    started = ensure_ray(cfg, ingress.ray_env(cfg.serve.port) if direct else None)
+    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
+    proxy_port = free_port() if direct else cfg.serve.port  # Serve's proxy starts either way
     try:
-        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+        serve.start(http_options={"host": cfg.serve.host, "port": proxy_port})
         serve.run(build_app({"config": config, "overrides": overrides}), name=APP_NAME, route_prefix="/",
                   blocking=False)
+        url = ingress.app_url(APP_NAME, "/", f"http://{host}:{proxy_port}", host)
     except BaseException:
         stop(Serving(cfg, "", started))
         raise
-    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
-    return Serving(cfg, f"http://{host}:{cfg.serve.port}", started)
+    return Serving(cfg, url, started)
 
 
 def stop(serving: Serving) -> None:

@@ -16,7 +16,7 @@ namespace adaspec {
 namespace {
 
 constexpr auto SPIN = std::chrono::microseconds(50);  // a step's kernels come closer together than this
-constexpr int64_t CHUNKS_PER_THREAD = 4;
+constexpr int64_t CHUNKS_PER_THREAD = 4;  // chunks of a job: at most 65535 (16 bits of the ticket)
 
 thread_local bool in_job = false;
 
@@ -47,11 +47,10 @@ class Pool {
     if (!busy.owns_lock()) return false;
     fn_ = &fn;
     begin_ = begin, end_ = end, chunk_ = chunk;
-    chunks_.store(chunks, std::memory_order_relaxed);
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
     const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
-    ticket_.store(gen << 32, std::memory_order_release);  // publishes the job
+    ticket_.store((gen << 32) | (uint64_t(chunks) << 16), std::memory_order_release);  // publishes the job
     if (sleeping_.load(std::memory_order_acquire) > 0) {
       std::lock_guard<std::mutex> lock(sleep_mutex_);
       wake_.notify_all();
@@ -64,12 +63,14 @@ class Pool {
   }
 
  private:
-  // Claims and runs chunks of job `gen` until none is left (or another job has begun).
+  // Claims and runs chunks of job `gen` until none is left (or another job has begun). The
+  // claim is decided on the ticket alone: a successful exchange from (gen, chunks, c < chunks)
+  // proves job gen is still running (its chunk c was unclaimed), so its fields are current.
   void claim_all(uint64_t gen) {
     uint64_t t = ticket_.load(std::memory_order_acquire);
-    while ((t >> 32) == gen && int64_t(t & 0xffffffffu) < chunks_.load(std::memory_order_relaxed)) {
+    while ((t >> 32) == gen && (t & 0xffffu) < ((t >> 16) & 0xffffu)) {
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
-      const int64_t c = int64_t(t & 0xffffffffu);
+      const int64_t c = int64_t(t & 0xffffu);
       const int64_t lo = begin_ + c * chunk_, hi = std::min(end_, lo + chunk_);
       try {
         in_job = true;
@@ -110,7 +111,8 @@ class Pool {
   const int threads_;
   std::vector<std::thread> workers_;
   std::mutex busy_;
-  // ticket: job generation (high 32 bits) and the next unclaimed chunk (low 32 bits).
+  // ticket: job generation (high 32 bits), its number of chunks (16 bits) and the next
+  // unclaimed chunk (low 16 bits).
   std::atomic<uint64_t> ticket_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleeping_{0};
@@ -119,7 +121,6 @@ class Pool {
   std::atomic<bool> stop_{false};
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t begin_ = 0, end_ = 0, chunk_ = 1;
-  std::atomic<int64_t> chunks_{0};
   std::exception_ptr error_;
 };
 
