@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 METHODS = ("mtp", "draft_model")
 ESTIMATORS = ("top_prob_calibrated", "top_prob", "token_prob")
+TIME_MODELS = ("table", "linear")  # controller/time_model.py
 
 
 @dataclass
@@ -13,6 +14,7 @@ class AdaptiveConfig:
     min_gain: float = 0.0  # a kept draft must raise estimated throughput by more than this (tokens/s)
     estimator: str = "top_prob_calibrated"  # one of ESTIMATORS
     early_stop: bool = True  # stop drafting once no sequence could keep the next position
+    time_model: str = "table"  # validate/draft time as a monotone table over tokens and batch size, or "linear"
     refit_every: int = 256  # validate-time model refit after this many new samples (sooner on drift)
     profile_on_start: bool = True  # run (or reuse) the profiling sweep before serving
     profile_cache: str = "~/.cache/adaspec/profiles"  # fitted time models, keyed by model/TP/device

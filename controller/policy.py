@@ -106,13 +106,13 @@ class SpecPolicy:
         if c.mode != "adaptive" or k == 0:
             return k
         tm, n = c.model, len(c.kv)
-        kv_mean = float(np.mean(c.kv))
-        per_token = n * (tm.b1 + tm.b2 * kv_mean)
+        kv_sum = float(np.sum(c.kv))
         a = np.cumprod(self.calibrator.position_rates()[:k])
-        best_m, best, expected = 0, 1.0 / (tm.b0 + per_token), 1.0
+        best_m, best, expected = 0, 1.0 / tm.validate_ms_from(n, kv_sum), 1.0
+        draft_ms = tm.draft_step_ms(n)
         for m in range(1, k + 1):
             expected += a[m - 1]
-            theta = expected / (m * tm.draft_step_ms(n) + tm.b0 + (m + 1) * per_token)
+            theta = expected / (m * draft_ms + tm.validate_ms_from(n * (m + 1), (m + 1) * kv_sum))
             if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay

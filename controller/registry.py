@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.time_model import FitReport, TimeModel, fit
+from controller.time_model import KINDS, FitReport, TimeModel, fit, held_out_mape
 
 WINDOW = 4096  # online samples kept for refits
 RECENT = 32  # samples in the "recent error" window
@@ -37,8 +37,9 @@ class StepSample:
 
 
 class ProfileRegistry:
-    def __init__(self, refit_every: int = 64, initial: TimeModel | None = None, sweep: list[StepSample] = ()):
-        self.refit_every = refit_every
+    def __init__(self, refit_every: int = 64, initial: TimeModel | None = None, sweep: list[StepSample] = (),
+                 kind: str = "table"):
+        self.refit_every, self.kind = refit_every, kind
         self.model = initial or TimeModel()
         self.last_report: FitReport | None = None
         self.sweep: list[StepSample] = list(sweep)  # the startup sweep, kept in every refit
@@ -85,7 +86,15 @@ class ProfileRegistry:
         drafted = [s for s in data if s.draft_steps > 0]
         draft_n = np.array([s.num_seqs for s in drafted], dtype=np.float64)
         draft_ms = np.array([s.draft_ms / s.draft_steps for s in drafted])
-        report = fit(rows, val, draft_n, draft_ms, self.model.version + 1)
+        report = fit(rows, val, draft_n, draft_ms, self.model.version + 1, self.kind)
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()
         return report
+
+    def held_out_mape(self) -> dict[str, float]:
+        """Each kind of time model fitted on every other measured step (sweep and online),
+        its MAPE on the rest: which kind predicts better here."""
+        validated = [s for s in self.sweep + list(self.online) if s.q_tokens > 0]
+        rows = np.array([s.features() for s in validated]).reshape(-1, 3)
+        val = np.array([s.validate_ms for s in validated])
+        return {kind: held_out_mape(rows, val, kind) for kind in KINDS}

@@ -1,10 +1,19 @@
-"""The validate-time model and its least-squares fit.
+"""The validate- and draft-time models and their least-squares fits.
 
-    T_val = b0 + b1 * sum_i q_i + b2 * sum_i q_i * kv_i      (ms)
-    T_draft = d0 + d1 * n                                     (ms per draft step)
+    T_val = f(Q) + b2 * sum_i q_i * kv_i        (ms), Q = sum_i q_i
+    T_draft = g(n)                               (ms per draft step, n sequences)
 
 q_i is the number of tokens sequence i validates (kept drafts + 1) and kv_i its context
-length. Fitted by least squares on measured steps, coefficients non-negative.
+length. Two kinds (`speculative.adaptive.time_model`):
+
+  linear  f(Q) = b0 + b1 Q, g(n) = d0 + d1 n
+  table   f and g piecewise linear between knots (Q = 1, 2, 4, ..., the largest measured;
+          n likewise), non-decreasing, extrapolated past the last knot with the last
+          segment's slope. A CPU's cost per token falls as Q grows (one token 3.3 ms,
+          eight 7.5 ms at batch 1 here), which a line cannot follow.
+
+Both are fitted by least squares on measured steps with every coefficient non-negative
+(for the table, every segment's slope), relative to each step's time, dropping outliers.
 """
 from __future__ import annotations
 
@@ -24,25 +33,46 @@ class TimeModel:
     b2: float = 0.0  # ms per validated token per context token
     d0: float = 0.5  # ms per draft step
     d1: float = 0.01  # ms per draft step per sequence
+    # the table kind (empty: linear): f at q_knots, g at n_knots
+    q_knots: tuple = ()
+    q_ms: tuple = ()
+    n_knots: tuple = ()
+    n_ms: tuple = ()
+
+    @property
+    def kind(self) -> str:
+        return "table" if self.q_knots else "linear"
+
+    def q_ms_at(self, q_total):
+        """f(Q): validate ms without the context term, for a scalar or an array of totals."""
+        if self.q_knots:
+            return piecewise(q_total, self.q_knots, self.q_ms)
+        return self.b0 + self.b1 * np.asarray(q_total, dtype=np.float64)
 
     def validate_ms(self, q: np.ndarray, kv: np.ndarray) -> float:
         q, kv = np.asarray(q, dtype=np.float64), np.asarray(kv, dtype=np.float64)
-        return self.b0 + self.b1 * q.sum() + self.b2 * (q * kv).sum()
+        return self.validate_ms_from(q.sum(), (q * kv).sum())
 
     def validate_ms_from(self, q_tokens: int, kv_tokens: int) -> float:
         """The same prediction from the summed features."""
-        return self.b0 + self.b1 * q_tokens + self.b2 * kv_tokens
+        return float(self.q_ms_at(q_tokens)) + self.b2 * kv_tokens
 
     def draft_step_ms(self, n: int) -> float:
+        if self.n_knots:
+            return float(piecewise(n, self.n_knots, self.n_ms))
         return self.d0 + self.d1 * n
 
-    def step_units(self, kv: np.ndarray, draft_ms: float) -> tuple[int, np.ndarray]:
-        """Integer time of a step that validates one token per sequence (plus the draft
-        time), and (n,) the integer cost of each further token of sequence i."""
-        kv = np.asarray(kv, dtype=np.int64)
-        per_token = np.rint((self.b1 + self.b2 * kv.astype(np.float64)) * _UNITS_PER_MS).astype(np.int64)
-        base = int(round((draft_ms + self.b0) * _UNITS_PER_MS)) + int(per_token.sum())
-        return max(base, 1), per_token
+
+def piecewise(x, knots, values):
+    """Linear between knots, the end segments' slopes beyond them (non-decreasing tables
+    stay so; at least the first value below the first knot)."""
+    x = np.asarray(x, dtype=np.float64)
+    k, v = np.asarray(knots, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    y = np.interp(x, k, v)
+    if len(k) > 1:
+        slope = (v[-1] - v[-2]) / (k[-1] - k[-2])
+        y = np.where(x > k[-1], v[-1] + slope * (x - k[-1]), y)
+    return y
 
 
 def features(q: np.ndarray, kv: np.ndarray) -> np.ndarray:
@@ -100,15 +130,70 @@ def robust_nonneg_lstsq(x: np.ndarray, y: np.ndarray, rounds: int = 3) -> tuple[
     return coef, keep
 
 
+KINDS = ("table", "linear")  # controller.config.TIME_MODELS
+
+
 def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms: np.ndarray,
-        version: int) -> FitReport:
-    """rows: (m, 3) features of validate steps; draft_n / draft_ms: draft steps' batch
-    sizes and times per draft step. MAE and MAPE are over the points the fit kept."""
-    b, kept = robust_nonneg_lstsq(rows, validate_ms)
-    d = (robust_nonneg_lstsq(np.stack([np.ones_like(draft_n, dtype=np.float64), draft_n], 1), draft_ms)[0]
-         if len(draft_n) >= 2 else np.array([0.5, 0.01]))
-    model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]), float(d[0]), float(d[1]))
-    pred = rows[kept] @ b
+        version: int, kind: str = "linear") -> FitReport:
+    """rows: (m, 3) features [1, Q, sum q*kv] of validate steps; draft_n / draft_ms: draft
+    steps' batch sizes and times per draft step. MAE and MAPE are over the points the fit
+    kept."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown time model kind {kind!r}; expected one of {KINDS}")
+    if kind == "table":
+        knots = doubling_knots(rows[:, 1])
+        b, kept = robust_nonneg_lstsq(np.column_stack([ramps(rows[:, 1], knots), rows[:, 2]]), validate_ms)
+        table = dict(q_knots=tuple(knots), q_ms=tuple(knot_values(b[:-1], knots)), b2=float(b[-1]))
+        if len(draft_n) >= 2:
+            n_knots = doubling_knots(draft_n)
+            g = robust_nonneg_lstsq(ramps(draft_n, n_knots), draft_ms)[0]
+            table.update(n_knots=tuple(n_knots), n_ms=tuple(knot_values(g, n_knots)))
+        model = TimeModel(version, **table)
+        pred = model.q_ms_at(rows[kept, 1]) + model.b2 * rows[kept, 2]
+    else:
+        b, kept = robust_nonneg_lstsq(rows, validate_ms)
+        d = (robust_nonneg_lstsq(np.stack([np.ones_like(draft_n, dtype=np.float64), draft_n], 1), draft_ms)[0]
+             if len(draft_n) >= 2 else np.array([0.5, 0.01]))
+        model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]), float(d[0]), float(d[1]))
+        pred = rows[kept] @ b
     err = np.abs(pred - validate_ms[kept])
     return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms[kept], 1e-6)).mean()),
                      int(kept.sum()))
+
+
+def doubling_knots(x: np.ndarray) -> np.ndarray:
+    """1, 2, 4, ... up to the largest x (which is the last knot)."""
+    top = max(float(np.max(x)), 1.0)
+    knots = [1.0]
+    while knots[-1] * 2 < top:
+        knots.append(knots[-1] * 2)
+    if top > knots[-1]:
+        knots.append(top)
+    return np.array(knots)
+
+
+def ramps(x: np.ndarray, knots: np.ndarray) -> np.ndarray:
+    """Design matrix [1, r_1 .. r_m]: r_s rises from 0 to its segment's width between knots
+    s-1 and s (the last one without bound), so non-negative weights give a non-decreasing
+    piecewise-linear function."""
+    x = np.asarray(x, dtype=np.float64)[:, None]
+    lo, hi = knots[:-1][None, :], knots[1:][None, :]
+    r = np.clip(x - lo, 0.0, hi - lo)
+    if r.shape[1]:
+        r[:, -1] = np.maximum(x[:, 0] - knots[-2], 0.0)
+    return np.column_stack([np.ones(len(x)), r])
+
+
+def knot_values(coef: np.ndarray, knots: np.ndarray) -> np.ndarray:
+    """The fitted function at the knots, from ramps' weights [c, d_1 .. d_m]."""
+    return coef[0] + np.concatenate([[0.0], np.cumsum(coef[1:] * np.diff(knots))])
+
+
+def held_out_mape(rows: np.ndarray, validate_ms: np.ndarray, kind: str) -> float:
+    """Fit on every other step, the MAPE on the rest (the same split for every kind)."""
+    train = np.arange(len(validate_ms)) % 2 == 0
+    if train.sum() < 4 or (~train).sum() < 1:
+        return float("nan")
+    m = fit(rows[train], validate_ms[train], np.array([]), np.array([]), 0, kind).model
+    pred = m.q_ms_at(rows[~train, 1]) + m.b2 * rows[~train, 2]
+    return float(np.mean(np.abs(pred - validate_ms[~train]) / np.maximum(validate_ms[~train], 1e-6)))

@@ -42,39 +42,26 @@ def test_min_gain_prunes_marginal_drafts():
 TIE_MODEL = TimeModel(b0=1.0, b1=0.5, b2=0.001)
 
 
-def test_ties_break_by_position_then_sequence():
+def test_cheaper_candidate_ranks_first_whatever_the_order():
     conf = np.full((2, 1), 0.8)
-    # equal a: sequence 0 is ranked first. Costly there, it stops the walk at once ...
-    assert decide(conf, np.array([1000, 0]), TIE_MODEL).tolist() == [0, 0]
-    # ... cheap there, it is kept, and then the costly sequence 1 is not
+    assert decide(conf, np.array([1000, 0]), TIE_MODEL).tolist() == [0, 1]
     assert decide(conf, np.array([0, 1000]), TIE_MODEL).tolist() == [1, 0]
-    # equal a at positions 1 and 2 (confidence 1.0 at 2): position 1 of the costly sequence 1
-    # comes before position 2 of the cheap sequence 0, and stops the walk there
-    conf2 = np.array([[0.8, 1.0], [0.8, 0.0]])
-    assert decide(conf2, np.array([0, 1000]), TIE_MODEL).tolist() == [1, 0]
 
 
-def _scan_on(conf, kv, tm):
-    """xLLM's merged rule, for contrast: walk the same ranking but skip (not stop at) a
-    candidate that does not raise Theta."""
-    n, k = conf.shape
-    a = path_probs(quantize(conf)) / CONF_ONE
-    keep = np.zeros(n, int)
-    for neg_a, j, i in sorted((-a[i, j], j, i) for i in range(n) for j in range(k)):
-        trial = keep.copy()
-        trial[i] = j + 1
-        if keep[i] == j and _theta(a, trial, tm, kv, 0.0) > _theta(a, keep, tm, kv, 0.0):
-            keep = trial
-    return keep.tolist()
+def test_equal_costs_break_ties_by_position_then_sequence():
+    tm = TimeModel(b0=1.0, b1=0.9, b2=0.0)  # a token costs 0.9 ms: one draft of 0.8 pays, a second does not
+    conf = np.full((2, 1), 0.8)
+    assert decide(conf, np.array([5, 5]), tm).tolist() == [1, 0]
 
 
-def test_stop_is_causal():
-    """The walk stops at the first candidate that does not pay: a later, cheaper one
-    (here sequence 1's, ranked after sequence 0's equal one) cannot be verified instead,
-    which scanning on would do."""
-    conf, kv = np.full((2, 1), 0.8), np.array([1000, 0])
-    assert _scan_on(conf, kv, TIE_MODEL) == [0, 1]
-    assert decide(conf, kv, TIE_MODEL).tolist() == [0, 0]
+# f(Q): the second validated token costs 1.5 ms, each one after it 0.08 ms (a CPU's falling
+# cost per token). Theta does not rise at the first draft but does by the seventh.
+FALLING = TimeModel(q_knots=(1.0, 2.0, 8.0), q_ms=(3.0, 4.5, 5.0))
+
+
+def test_keeps_the_best_prefix_not_the_first_that_stops_improving():
+    conf = np.array([[0.5] + [0.95] * 6])
+    assert decide(conf, np.array([10]), FALLING).tolist() == [7]
 
 
 def test_context_length_term_prunes_long_sequences_first():
@@ -135,3 +122,59 @@ def test_small_path_equals_vectorised_path(conf, b0, b1, b2, draft_ms, min_gain,
         small = _decide_small(conf.tolist(), kv.tolist(), tm, min_gain, draft_ms,
                               None if max_keep is None else max_keep.tolist())
         assert small == _decide_numpy(conf, kv, tm, min_gain, draft_ms, max_keep).tolist()
+
+
+def _theta_units(a, keep, tm, kv, draft_ms):
+    """Theta in the decision's own arithmetic (integer path probabilities and time units)."""
+    from controller.decision import UNITS_PER_MS, context_units, f_array
+
+    n = len(keep)
+    e = n * CONF_ONE + sum(int(a[i, :keep[i]].sum()) for i in range(n))
+    ctx = context_units(tm, kv)
+    t = (int(round(draft_ms * UNITS_PER_MS)) + int(f_array(tm, n, int(sum(keep)))[-1])
+         + sum((keep[i] + 1) * ctx[i] for i in range(n)))
+    return e / max(t, 1)
+
+
+def _random_table(rng) -> TimeModel:
+    knots = (1.0, 2.0, 4.0, 8.0, 16.0)
+    values = np.cumsum(rng.uniform(0.0, 3.0, len(knots)))  # non-decreasing, any shape
+    return TimeModel(q_knots=knots, q_ms=tuple(float(v) for v in values))
+
+
+@settings(max_examples=400, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 4), k=st.integers(1, 5), table=st.booleans(),
+       context=st.booleans())
+def test_equals_exhaustive_optimum(seed, n, k, table, context):
+    """Against every combination of per-sequence prefixes: the optimum when the cost
+    depends only on the total number of validated tokens, at least 0.99 of it with
+    per-sequence context costs."""
+    import itertools
+
+    rng = np.random.default_rng(seed)
+    conf = rng.uniform(0.0, 1.0, (n, k)) ** rng.uniform(0.2, 2.0)
+    kv = rng.integers(1, 2000, n)
+    b2 = float(rng.uniform(0.0, 0.003)) if context else 0.0
+    tm = _random_table(rng) if table else TimeModel(b0=float(rng.uniform(0.1, 10)), b1=float(rng.uniform(0.01, 3)))
+    tm = TimeModel(**{**tm.__dict__, "b2": b2})
+    draft_ms = float(rng.uniform(0, 5))
+    keep = decide(conf, kv, tm, draft_ms=draft_ms)
+    a = path_probs(quantize(conf))
+    best = max(_theta_units(a, np.array(c), tm, kv, draft_ms) for c in itertools.product(range(k + 1), repeat=n))
+    got = _theta_units(a, keep, tm, kv, draft_ms)
+    if b2 == 0.0:
+        assert got >= best * (1 - 1e-9)
+    else:
+        assert got >= best * 0.99
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf=conf_arrays, draft_ms=st.floats(0, 10), min_gain=st.sampled_from([0.0, 0.01, 0.1]),
+       seed=st.integers(0, 1000))
+def test_small_path_equals_vectorised_path_with_tables(conf, draft_ms, min_gain, seed):
+    conf = np.array(conf)
+    rng = np.random.default_rng(seed)
+    kv = rng.integers(1, 500, conf.shape[0])
+    tm = TimeModel(**{**_random_table(rng).__dict__, "b2": float(rng.uniform(0, 0.002))})
+    small = _decide_small(conf.tolist(), kv.tolist(), tm, min_gain, draft_ms, None)
+    assert small == _decide_numpy(conf, kv, tm, min_gain, draft_ms, None).tolist()

@@ -197,6 +197,9 @@ def run_bench(cfg, out_dir: Path, trace: str | None = None) -> dict:
             plan[b] = run_rounds(group, runners, prompts, refs, bench, b)
             arms += group
         time_model = dataclasses.asdict(engine.time_models.report()) if engine.time_models else None
+        registry = getattr(engine.time_models, "registry", None)  # an in-process rank's registry
+        if time_model is not None and registry is not None:
+            time_model.update(kind=registry.kind, held_out_mape=registry.held_out_mape())
     finally:
         engine.shutdown()
         if vllm is not None:

@@ -42,7 +42,11 @@ def markdown(result: dict) -> str:
     tm = result.get("time_model")
     if tm:
         mape = f", MAPE {100 * tm['mape']:.1f}%" if tm.get("mape") is not None else ""
-        notes.append(f"- validate-time model at the end: version {tm['version']}{mape}")
+        held = tm.get("held_out_mape") or {}
+        held = ("; held-out MAPE (fit on every other measured step, scored on the rest): "
+                + ", ".join(f"{k} {100 * v:.1f}%" for k, v in held.items())) if held else ""
+        kind = f" ({tm['kind']})" if tm.get("kind") else ""
+        notes.append(f"- validate-time model at the end: version {tm['version']}{kind}{mape}{held}")
     notes.append(f"- machine: {result.get('machine', '')}; the whole run took {result.get('elapsed_s')} s")
     return "\n".join(lines + [""] + notes) + "\n"
 

@@ -67,7 +67,7 @@ class Engine:
         model, samples = load_or_sweep(self.workers, self.cfg) if adaptive.profile_on_start else (TimeModel(1), [])
         model = dataclasses.replace(model, version=1)
         self.workers.install_time_model(model)
-        return make_time_model_link(self.workers, adaptive.refit_every, model, samples)
+        return make_time_model_link(self.workers, adaptive.refit_every, model, samples, adaptive.time_model)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None,

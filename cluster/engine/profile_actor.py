@@ -20,7 +20,8 @@ RESTART_PROBE_TIMEOUT_S = 60
 
 
 class ProfileActor:
-    def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], ranks: list):
+    def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], ranks: list,
+                 kind: str = "table"):
         # After a restart, continue from the newest version the ranks hold: a version
         # number is never reused for different coefficients.
         held = []
@@ -30,7 +31,7 @@ class ProfileActor:
             except ray.exceptions.RayError:  # a dead rank: the Engine is rebuilding the group
                 pass
         initial = max(held + [initial], key=lambda m: m.version)
-        self.registry = ProfileRegistry(refit_every, initial, sweep)
+        self.registry = ProfileRegistry(refit_every, initial, sweep, kind)
         self.ranks = ranks
         self.acked = initial.version
 

@@ -72,7 +72,7 @@ def code_fingerprint() -> str:
     """Hash of the model and worker code: a change to either may change every timing."""
     h = hashlib.sha256()
     for package in CODE_PACKAGES:
-        for f in sorted((REPO_ROOT / package).glob("*.py")):
+        for f in sorted(p for p in (REPO_ROOT / package).rglob("*") if p.suffix in (".py", ".cpp", ".h")):
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -103,8 +103,8 @@ def sweep(workers: WorkerGroup, cfg: Config, progress: bool = True) -> list[Step
     return samples
 
 
-def fit_samples(samples: list[StepSample]) -> FitReport:
-    return ProfileRegistry().seed(samples)
+def fit_samples(samples: list[StepSample], kind: str = "table") -> FitReport:
+    return ProfileRegistry(kind=kind).seed(samples)
 
 
 def load_or_sweep(workers: WorkerGroup, cfg: Config, progress: bool = True) -> tuple[TimeModel, list[StepSample]]:
@@ -115,10 +115,10 @@ def load_or_sweep(workers: WorkerGroup, cfg: Config, progress: bool = True) -> t
         stale = stale_fields(json.loads(path.read_text()), want)
         if not stale:
             samples = [StepSample(**s) for s in json.loads(path.read_text())["samples"]]
-            return fit_samples(samples).model, samples
+            return fit_samples(samples, cfg.speculative.adaptive.time_model).model, samples
         log.warning("time-model cache %s was measured with another %s: sweeping again", path, ", ".join(stale))
     samples = sweep(workers, cfg, progress)
-    report = fit_samples(samples)
+    report = fit_samples(samples, cfg.speculative.adaptive.time_model)
     log.warning("time model fit: MAE %.3f ms, MAPE %.1f%% over %d points", report.mae_ms, 100 * report.mape,
                 report.samples)
     save(path, report, samples, want)

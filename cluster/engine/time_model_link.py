@@ -52,17 +52,18 @@ class TimeModelLink(Protocol):
 
 
 def make_time_model_link(workers: WorkerGroup, refit_every: int, model: TimeModel,
-                         sweep: list[StepSample]) -> TimeModelLink:
+                         sweep: list[StepSample], kind: str = "table") -> TimeModelLink:
     if workers.actors is None:
-        return LocalTimeModelLink(refit_every, model, sweep, workers)
-    return RayTimeModelLink(refit_every, model, sweep, workers)
+        return LocalTimeModelLink(refit_every, model, sweep, workers, kind)
+    return RayTimeModelLink(refit_every, model, sweep, workers, kind)
 
 
 class LocalTimeModelLink:
     """The registry in this process, for an in-process rank: refits are installed at once."""
 
-    def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: WorkerGroup):
-        self.registry = ProfileRegistry(refit_every, initial, sweep)
+    def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: WorkerGroup,
+                 kind: str = "table"):
+        self.registry = ProfileRegistry(refit_every, initial, sweep, kind)
         self.workers = workers
         self.version = initial.version
 
@@ -96,8 +97,9 @@ class RayTimeModelLink:
     """The profile actor's client: fire-and-forget records, non-blocking polls that also
     refresh the cached report."""
 
-    def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: WorkerGroup):
-        self.refit_every, self.sweep, self.model = refit_every, sweep, initial
+    def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: WorkerGroup,
+                 kind: str = "table"):
+        self.refit_every, self.sweep, self.model, self.kind = refit_every, sweep, initial, kind
         self.actor = self._start(initial, workers)
         self.status = TimeModelReport(initial.version, None, None)
         self._pending = None
@@ -116,7 +118,7 @@ class RayTimeModelLink:
         # Held here for the actor's lifetime: Ray re-runs the constructor on a restart, and an
         # argument whose object went out of scope would make that restart fail.
         self._sweep_ref = ray.put(self.sweep)
-        return actor_cls.remote(self.refit_every, model, self._sweep_ref, workers.actors)
+        return actor_cls.remote(self.refit_every, model, self._sweep_ref, workers.actors, self.kind)
 
     def rebind(self, workers: WorkerGroup) -> int:
         """A new actor pushing to the new ranks, starting from the model in force."""

@@ -14,8 +14,18 @@ import numpy as np
 
 from cluster.engine.sweep import GRID_CTX, cache_path, fit_samples, identity, save, sweep
 from cluster.entrypoints.common import add_config_args, config_from_args
-from controller.registry import StepSample
+from controller.registry import ProfileRegistry, StepSample
 from controller.time_model import TimeModel
+
+
+def describe(m: TimeModel) -> str:
+    if m.kind == "table":
+        f = ", ".join(f"{q:g}: {ms:.3f}" for q, ms in zip(m.q_knots, m.q_ms))
+        g = ", ".join(f"{n:g}: {ms:.3f}" for n, ms in zip(m.n_knots, m.n_ms)) or "none measured"
+        return (f"T_val = f(sum q) + {m.b2:.2e} * sum q*kv  ms, f at sum q = {{{f}}}\n"
+                f"T_draft = g(n) ms per draft step, g at n = {{{g}}}")
+    return (f"T_val = {m.b0:.3f} + {m.b1:.4f} * sum q + {m.b2:.2e} * sum q*kv  ms\n"
+            f"T_draft = {m.d0:.3f} + {m.d1:.4f} * n  ms per draft step")
 
 
 def plot(samples: list[StepSample], model: TimeModel, path: Path) -> None:
@@ -63,16 +73,18 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with open_engine(args, cfg) as engine:
         samples = sweep(engine.workers, cfg)
-    report = fit_samples(samples)
+    kind = cfg.speculative.adaptive.time_model
+    report = fit_samples(samples, kind)
     ident = identity(cfg)
     save(out / "profile.json", report, samples, ident)
     save(cache_path(cfg), report, samples, ident)
     plot(samples, report.model, out / "profile.png")
-    m = report.model
-    print(f"T_val = {m.b0:.3f} + {m.b1:.4f} * sum q + {m.b2:.2e} * sum q*kv  ms   (MAE {report.mae_ms:.3f} ms, "
-          f"MAPE {100 * report.mape:.1f}% over the {report.samples} of {sum(s.q_tokens > 0 for s in samples)} "
-          f"points kept)")
-    print(f"T_draft = {m.d0:.3f} + {m.d1:.4f} * n  ms per draft step")
+    print(describe(report.model))
+    print(f"fit: MAE {report.mae_ms:.3f} ms, MAPE {100 * report.mape:.1f}% over the {report.samples} of "
+          f"{sum(s.q_tokens > 0 for s in samples)} points kept")
+    held_out = ProfileRegistry(sweep=samples).held_out_mape()
+    print("held-out MAPE (fit on every other point, scored on the rest): "
+          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in held_out.items()))
     print(f"wrote {out / 'profile.json'} and {out / 'profile.png'}")
     return 0
 
