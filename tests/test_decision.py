@@ -49,7 +49,8 @@ def test_cheaper_candidate_ranks_first_whatever_the_order():
 
 
 def test_equal_costs_break_ties_by_position_then_sequence():
-    tm = TimeModel(b0=1.0, b1=0.9, b2=0.0)  # a token costs 0.9 ms: one draft of 0.8 pays, a second does not
+    # two sequences: a third validated token costs 0.5 ms, a fourth 1.5 ms; one draft of 0.8 pays, two do not
+    tm = TimeModel(q_knots=(2.0, 3.0, 4.0), q_ms=(3.0, 3.5, 5.0))
     conf = np.full((2, 1), 0.8)
     assert decide(conf, np.array([5, 5]), tm).tolist() == [1, 0]
 

@@ -68,3 +68,45 @@ def test_worker_keeps_the_version_plans_use_however_many_refits_arrive():
     with pytest.raises(KeyError, match="version 1 is not on this rank"):
         policy.model(1)  # plans moved on: the old ones are gone
     assert sorted(policy.models) == list(range(7, 12))
+
+
+def _concave_samples(rng, m):
+    """A CPU's validate time: the cost per token falls as the step validates more."""
+    out = []
+    for _ in range(m):
+        n, q, ctx = int(rng.integers(1, 33)), int(rng.integers(1, 9)), int(rng.integers(16, 512))
+        Q = n * q
+        ms = (3.0 + 1.2 * np.sqrt(Q - 1) + 2e-5 * Q * ctx) * (1 + rng.normal(0, 0.01))
+        out.append(StepSample(n, Q, Q * ctx, float(ms), 1, 0.4 + 0.3 * np.sqrt(n)))
+    return out
+
+
+def test_table_follows_a_falling_cost_per_token_and_is_monotone():
+    rng = np.random.default_rng(5)
+    data = _concave_samples(rng, 200)
+    rows = np.array([s.features() for s in data])
+    val = np.array([s.validate_ms for s in data])
+    draft_n = np.array([s.num_seqs for s in data], float)
+    draft_ms = np.array([s.draft_ms for s in data])
+    table = fit(rows, val, draft_n, draft_ms, 1, "table")
+    linear = fit(rows, val, draft_n, draft_ms, 1, "linear")
+    assert table.model.kind == "table" and linear.model.kind == "linear"
+    assert table.mape < 0.03 < linear.mape
+    q = np.arange(1, 600)
+    f = table.model.q_ms_at(q)
+    assert (np.diff(f) >= -1e-12).all()  # non-decreasing, extrapolated past the largest Q too
+    for Q in (16, 64, 128):  # where the data lie
+        assert abs(table.model.q_ms_at(Q) - (3.0 + 1.2 * np.sqrt(Q - 1))) < 0.05 * (3.0 + 1.2 * np.sqrt(Q - 1))
+    assert abs(table.model.b2 - 2e-5) < 1e-5
+    g = [table.model.draft_step_ms(n) for n in (1, 4, 16, 32)]
+    assert all(abs(x - (0.4 + 0.3 * np.sqrt(n))) < 0.05 for x, n in zip(g, (1, 4, 16, 32)))
+    reg = ProfileRegistry(sweep=data)
+    held = reg.held_out_mape()
+    assert held["table"] < held["linear"]
+
+
+def test_unknown_kind_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown time model kind 'cubic'"):
+        fit(np.ones((4, 3)), np.ones(4), np.array([]), np.array([]), 1, "cubic")
