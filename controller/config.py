@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 METHODS = ("mtp", "draft_model")
-ESTIMATORS = ("top_prob_calibrated", "top_prob", "token_prob")
+ESTIMATORS = ("top_prob_logistic", "top_prob_calibrated", "top_prob", "token_prob")
 TIME_MODELS = ("table", "linear")  # controller/time_model.py
 
 
@@ -12,7 +12,7 @@ TIME_MODELS = ("table", "linear")  # controller/time_model.py
 class AdaptiveConfig:
     enabled: bool = False
     min_gain: float = 0.0  # a kept draft must raise estimated throughput by more than this (tokens/s)
-    estimator: str = "top_prob_calibrated"  # one of ESTIMATORS
+    estimator: str = "top_prob_logistic"  # one of ESTIMATORS (controller/estimators.py)
     early_stop: bool = True  # stop drafting once no sequence could keep the next position
     time_model: str = "table"  # validate/draft time as a monotone table over tokens and batch size, or "linear"
     refit_every: int = 256  # validate-time model refit after this many new samples (sooner on drift)

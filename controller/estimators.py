@@ -1,7 +1,10 @@
 """Acceptance estimates c[i, j] from the draft distributions.
 
   top_prob             the draft's top probability at position j
-  top_prob_calibrated  the same through an online per-position calibrator (default)
+  top_prob_calibrated  the same through an online per-position calibrator: observed
+                       acceptance per (position, bucket of top probability)
+  top_prob_logistic    an online per-position logistic model on (log p, log(1 - p)) of
+                       the top probability (default: best log-loss on recorded traces)
   token_prob           the draft's probability of the token it drafted (xLLM's choice)
 
 Under sampling only the first two are lossless: they depend on the draft distribution
@@ -14,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 NUM_BUCKETS = 16
+LOGIT_RANGE = (-6.0, 3.0)  # bucket edges, evenly spaced in log-odds: most drafts here have p < 0.1
 PRIOR_WEIGHT = 8.0  # pseudo-trials at the raw top probability before data arrives
 HALVE_AT = 4096  # forget old evidence: halve a bucket's counts when its trials reach this
 
@@ -22,14 +26,19 @@ class Calibrator:
     """Observed acceptance per (draft position, top-probability bucket). Updated only from
     validation outcomes, which every rank sees identically, so every rank's copy agrees."""
 
+    EDGES = np.linspace(*LOGIT_RANGE, NUM_BUCKETS - 1)
+
     def __init__(self, k: int):
         self.hits = np.zeros((k, NUM_BUCKETS), dtype=np.int64)
         self.trials = np.zeros((k, NUM_BUCKETS), dtype=np.int64)
-        self.centers = (np.arange(NUM_BUCKETS) + 0.5) / NUM_BUCKETS
+        mids = np.concatenate([[LOGIT_RANGE[0] - 0.5], (self.EDGES[:-1] + self.EDGES[1:]) / 2, [LOGIT_RANGE[1] + 0.5]])
+        self.centers = 1.0 / (1.0 + np.exp(-mids))  # the prior: each bucket's middle probability
 
-    @staticmethod
-    def buckets(top_prob: np.ndarray) -> np.ndarray:
-        return np.minimum((np.asarray(top_prob) * NUM_BUCKETS).astype(np.int64), NUM_BUCKETS - 1)
+    @classmethod
+    def buckets(cls, top_prob: np.ndarray) -> np.ndarray:
+        """Buckets evenly spaced in log-odds (uniform ones in p put most drafts into the first)."""
+        p = np.clip(np.asarray(top_prob, dtype=np.float64), 1e-6, 1 - 1e-6)
+        return np.searchsorted(cls.EDGES, np.log(p) - np.log1p(-p))
 
     def estimate(self, top_prob: np.ndarray) -> np.ndarray:
         """top_prob: (n, k') with k' <= k -> calibrated acceptance (n, k')."""
@@ -60,11 +69,57 @@ class Calibrator:
         return (hits + 0.5 * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
 
 
+PRIOR_PRECISION = 1.0  # the logistic model's starting curvature (how firmly it holds its start)
+FORGET = 0.999  # per step: old evidence fades, so the model follows a drifting workload
+EPS = 1e-4
+
+
+class LogisticCalibrator:
+    """P(accept) = sigmoid(w_j . [1, log p, log(1 - p)]) per position j, starting at the raw
+    top probability (w = [0, 1, -1]). Fitted online by Newton steps: each step adds its
+    drafts' curvature to a running (k, 3, 3) matrix and moves w by its inverse times the
+    step's gradient of the log-loss (a second-order fit: a few hundred drafts suffice, where
+    gradient steps on these unscaled features were slow and unstable). Float64 operations in
+    a fixed order on inputs every rank holds identically, so every rank's weights agree."""
+
+    def __init__(self, k: int):
+        self.w = np.tile(np.array([0.0, 1.0, -1.0]), (k, 1))
+        self.h = np.tile(np.eye(3) * PRIOR_PRECISION, (k, 1, 1))
+
+    @staticmethod
+    def features(top_prob: np.ndarray) -> np.ndarray:
+        p = np.clip(np.asarray(top_prob, dtype=np.float64), EPS, 1 - EPS)
+        return np.stack([np.ones_like(p), np.log(p), np.log1p(-p)], axis=-1)  # (n, k', 3)
+
+    def estimate(self, top_prob: np.ndarray) -> np.ndarray:
+        x = self.features(top_prob)
+        z = (x * self.w[None, : x.shape[1]]).sum(-1)
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def update(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+        n, k = np.asarray(top_prob).shape
+        if k == 0:
+            return
+        j = np.arange(k)[None, :]
+        trial = (j < np.asarray(verified)[:, None]) & (j <= np.asarray(accepted)[:, None])
+        if not trial.any():
+            return
+        y = (j < np.asarray(accepted)[:, None]).astype(np.float64)
+        x = self.features(top_prob)  # (n, k, 3)
+        p = self.estimate(top_prob)
+        grad = (((y - p) * trial)[..., None] * x).sum(0)  # (k, 3)
+        curvature = ((p * (1 - p) * trial)[..., None, None] * x[..., :, None] * x[..., None, :]).sum(0)
+        self.h[:k] = FORGET * self.h[:k] + curvature
+        self.w[:k] += np.linalg.solve(self.h[:k], grad[..., None])[..., 0]
+
+
 def confidence(estimator: str, top_prob: np.ndarray, token_prob: np.ndarray,
-               calibrator: Calibrator | None) -> np.ndarray:
+               calibrator: Calibrator | None, logistic: LogisticCalibrator | None = None) -> np.ndarray:
     """(n, k) acceptance estimates for the chosen estimator."""
     if estimator == "top_prob":
         return top_prob
+    if estimator == "top_prob_logistic":
+        return logistic.estimate(top_prob)
     if estimator == "token_prob":
         return token_prob
     if estimator == "top_prob_calibrated":

@@ -18,7 +18,7 @@ import numpy as np
 
 from controller.config import SpeculativeConfig
 from controller.decision import decide
-from controller.estimators import Calibrator, confidence
+from controller.estimators import Calibrator, LogisticCalibrator, confidence
 from controller.time_model import TimeModel
 
 MODES = ("static", "adaptive", "oracle")
@@ -40,7 +40,8 @@ class StepContext:
 class SpecPolicy:
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
-        self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))
+        self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the draft budget's position rates
+        self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
         self.in_use = 0  # the newest version a plan has named
         self._lock = threading.Lock()
@@ -108,11 +109,12 @@ class SpecPolicy:
         tm, n = c.model, len(c.kv)
         kv_sum = float(np.sum(c.kv))
         a = np.cumprod(self.calibrator.position_rates()[:k])
-        best_m, best, expected = 0, 1.0 / tm.validate_ms_from(n, kv_sum), 1.0
+        other = tm.other_ms(n)
+        best_m, best, expected = 0, 1.0 / (other + tm.validate_ms_from(n, kv_sum)), 1.0
         draft_ms = tm.draft_step_ms(n)
         for m in range(1, k + 1):
             expected += a[m - 1]
-            theta = expected / (m * draft_ms + tm.validate_ms_from(n * (m + 1), (m + 1) * kv_sum))
+            theta = expected / (other + m * draft_ms + tm.validate_ms_from(n * (m + 1), (m + 1) * kv_sum))
             if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay
@@ -158,7 +160,9 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ estimates
     def confidence(self, top_prob: np.ndarray, token_prob: np.ndarray) -> np.ndarray:
-        return confidence(self.cfg.adaptive.estimator, top_prob, token_prob, self.calibrator)
+        return confidence(self.cfg.adaptive.estimator, top_prob, token_prob, self.calibrator, self.logistic)
 
     def observe(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         self.calibrator.update(top_prob, verified, accepted)
+        if self.cfg.adaptive.estimator == "top_prob_logistic":
+            self.logistic.update(top_prob, verified, accepted)

@@ -31,6 +31,7 @@ class StepSample:
     validate_ms: float
     draft_steps: int
     draft_ms: float
+    other_ms: float = 0.0  # the rest of the step (scheduling, sampling, bookkeeping); 0: not measured
 
     def features(self) -> list[float]:
         return [1.0, float(self.q_tokens), float(self.kv_tokens)]
@@ -86,7 +87,9 @@ class ProfileRegistry:
         drafted = [s for s in data if s.draft_steps > 0]
         draft_n = np.array([s.num_seqs for s in drafted], dtype=np.float64)
         draft_ms = np.array([s.draft_ms / s.draft_steps for s in drafted])
-        report = fit(rows, val, draft_n, draft_ms, self.model.version + 1, self.kind)
+        timed = [s for s in data if s.other_ms > 0]
+        other = (np.array([s.num_seqs for s in timed], dtype=np.float64), np.array([s.other_ms for s in timed]))
+        report = fit(rows, val, draft_n, draft_ms, self.model.version + 1, self.kind, other)
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()
         return report

@@ -2,6 +2,12 @@
 
     T_val = f(Q) + b2 * sum_i q_i * kv_i        (ms), Q = sum_i q_i
     T_draft = g(n)                               (ms per draft step, n sequences)
+    T_other = o0 + o1 n                          (ms per step: scheduling, sampling, bookkeeping)
+
+T_other is measured online (the step's wall time less drafting and validation) and is
+the same whatever the decision; it still belongs in Theta's denominator: without it a
+step looks cheaper than it is and speculation worth less (at batch 1 here it is about
+as long as the validate forward).
 
 q_i is the number of tokens sequence i validates (kept drafts + 1) and kv_i its context
 length. Two kinds (`speculative.adaptive.time_model`):
@@ -17,6 +23,7 @@ Both are fitted by least squares on measured steps with every coefficient non-ne
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +40,8 @@ class TimeModel:
     b2: float = 0.0  # ms per validated token per context token
     d0: float = 0.5  # ms per draft step
     d1: float = 0.01  # ms per draft step per sequence
+    o0: float = 0.0  # ms per step outside drafting and validation
+    o1: float = 0.0  # ... per sequence
     # the table kind (empty: linear): f at q_knots, g at n_knots
     q_knots: tuple = ()
     q_ms: tuple = ()
@@ -56,6 +65,9 @@ class TimeModel:
     def validate_ms_from(self, q_tokens: int, kv_tokens: int) -> float:
         """The same prediction from the summed features."""
         return float(self.q_ms_at(q_tokens)) + self.b2 * kv_tokens
+
+    def other_ms(self, n: int) -> float:
+        return self.o0 + self.o1 * n
 
     def draft_step_ms(self, n: int) -> float:
         if self.n_knots:
@@ -134,10 +146,18 @@ KINDS = ("table", "linear")  # controller.config.TIME_MODELS
 
 
 def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms: np.ndarray,
-        version: int, kind: str = "linear") -> FitReport:
+        version: int, kind: str = "linear", other: tuple[np.ndarray, np.ndarray] | None = None) -> FitReport:
     """rows: (m, 3) features [1, Q, sum q*kv] of validate steps; draft_n / draft_ms: draft
-    steps' batch sizes and times per draft step. MAE and MAPE are over the points the fit
-    kept."""
+    steps' batch sizes and times per draft step; other: (batch sizes, ms) of the rest of
+    measured steps. MAE and MAPE are over the validate points the fit kept."""
+    report = _fit_validate_and_draft(rows, validate_ms, draft_n, draft_ms, version, kind)
+    if other is not None and len(other[0]) >= 2:
+        o = robust_nonneg_lstsq(np.stack([np.ones_like(other[0]), other[0]], 1), other[1])[0]
+        report = dataclasses.replace(report, model=dataclasses.replace(report.model, o0=float(o[0]), o1=float(o[1])))
+    return report
+
+
+def _fit_validate_and_draft(rows, validate_ms, draft_n, draft_ms, version: int, kind: str) -> FitReport:
     if kind not in KINDS:
         raise ValueError(f"unknown time model kind {kind!r}; expected one of {KINDS}")
     if kind == "table":

@@ -4,8 +4,8 @@ A 16-token target and a different 16-token draft model are built here; the exact
 distribution of the first three sampled tokens is computed by enumeration, and 20,000
 sampled outputs per run are compared with it by a chi-square test.
 
-With the causal rule and a token-independent estimator (top_prob_calibrated) the samples
-follow the target. The token-dependent estimator (xLLM's `token_prob`) makes the choice
+With the keep rule (the best prefix) and a token-independent estimator (top_prob_logistic,
+top_prob_calibrated) the samples follow the target. The token-dependent estimator (xLLM's `token_prob`) makes the choice
 to verify draft j depend on the drawn token itself; it stays exact here too, because the
 first unverified draft still decides its own position by the accept/residual test (see
 `workers.sampler.rejection_accept`): each position's token is then the same function of
@@ -117,9 +117,10 @@ def exact(pair):
     return _exact_distribution(pair / "target")
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_adaptive_sampling_matches_target(pair, exact, k):
-    assert _chi_square_p(_sample(pair, k, "top_prob_calibrated"), exact) > 0.001
+@pytest.mark.parametrize("k,estimator", [(2, "top_prob_logistic"), (4, "top_prob_logistic"),
+                                         (4, "top_prob_calibrated")])
+def test_adaptive_sampling_matches_target(pair, exact, k, estimator):
+    assert _chi_square_p(_sample(pair, k, estimator), exact) > 0.001
 
 
 def test_token_dependent_estimator_stays_exact(pair, exact):

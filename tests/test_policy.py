@@ -25,14 +25,36 @@ def test_calibrator_counts_trials_and_hits_by_position_and_bucket():
 
 def test_calibrator_moves_from_its_prior_to_what_it_sees():
     cal = Calibrator(k=1)
-    top = np.array([[0.05]])  # the lowest bucket: prior estimate = its centre
-    assert np.isclose(cal.estimate(top)[0, 0], 0.5 / NUM_BUCKETS)
+    top = np.array([[0.05]])  # bucket of log-odds -2.94: prior estimate = its centre, near 0.05
+    b = int(cal.buckets(top)[0, 0])
+    prior = cal.centers[b]
+    assert 0 < b < NUM_BUCKETS - 1 and 0.03 < prior < 0.08
+    assert cal.buckets(np.array([[0.001, 0.999]])).tolist() == [[0, NUM_BUCKETS - 1]]
+    assert np.isclose(cal.estimate(top)[0, 0], prior)
     for _ in range(200):  # the draft is always right even though it is unsure
         cal.update(top, np.array([1]), np.array([1]))
-    assert np.isclose(cal.estimate(top)[0, 0], (200 + PRIOR_WEIGHT * 0.5 / NUM_BUCKETS) / (200 + PRIOR_WEIGHT))
+    assert np.isclose(cal.estimate(top)[0, 0], (200 + PRIOR_WEIGHT * prior) / (200 + PRIOR_WEIGHT))
     for _ in range(HALVE_AT):  # old evidence is halved once a bucket holds HALVE_AT trials
         cal.update(top, np.array([1]), np.array([0]))
-    assert cal.trials[0, 0] < HALVE_AT and cal.estimate(top)[0, 0] < 0.2
+    assert cal.trials[0, b] < HALVE_AT and cal.estimate(top)[0, 0] < 0.2
+
+
+def test_logistic_learns_an_under_confident_draft():
+    """A draft whose top probability understates acceptance (0.05 said, 90% accepted at
+    position 0; 0.6 said, 20% accepted at position 1): within a few hundred steps the
+    online Newton fit says so, per position."""
+    from controller.estimators import LogisticCalibrator
+
+    rng = np.random.default_rng(0)
+    cal = LogisticCalibrator(k=2)
+    top = np.array([[0.05, 0.6]])
+    assert np.allclose(cal.estimate(top), top)  # it starts at the raw probability
+    for _ in range(400):
+        first = rng.random() < 0.9
+        accepted = (1 + (rng.random() < 0.2)) if first else 0
+        cal.update(top, np.array([2]), np.array([accepted]))
+    est = cal.estimate(top)[0]
+    assert abs(est[0] - 0.9) < 0.05 and abs(est[1] - 0.2) < 0.07
 
 
 def _policy(k: int = 4) -> SpecPolicy:

@@ -110,3 +110,16 @@ def test_unknown_kind_is_refused():
 
     with pytest.raises(ValueError, match="unknown time model kind 'cubic'"):
         fit(np.ones((4, 3)), np.ones(4), np.array([]), np.array([]), 1, "cubic")
+
+
+def test_the_rest_of_a_step_is_fitted_from_online_steps():
+    """Scheduling, sampling and bookkeeping: measured online, a line over batch size."""
+    rng = np.random.default_rng(7)
+    reg = ProfileRegistry(refit_every=1000, initial=TimeModel(version=1))
+    reg.seed(_samples(rng, 40))
+    assert reg.model.other_ms(8) == 0.0  # the sweep does not measure it
+    online = [StepSample(s.num_seqs, s.q_tokens, s.kv_tokens, s.validate_ms, s.draft_steps, s.draft_ms,
+                         0.6 + 0.02 * s.num_seqs) for s in _samples(rng, 40)]
+    reg.add(online)
+    m = reg.refit().model
+    assert abs(m.other_ms(1) - 0.62) < 0.01 and abs(m.other_ms(32) - 1.24) < 0.02

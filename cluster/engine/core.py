@@ -157,9 +157,6 @@ class Engine:
                       "(predicted %.2f, model v%d)", plan.step, st.num_seqs, st.draft_steps,
                       sum(st.verified_per_position), st.accepted_per_position, st.validate_ms,
                       st.predicted_validate_ms, plan.time_model_version)
-        if self.time_models is not None and plan.decode:
-            self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
-                                            st.draft_steps, st.draft_ms)])
         by_id = {s.seq_id: s for s in seqs}
         updates = []
         for out in lead.outputs:
@@ -174,6 +171,10 @@ class Engine:
             updates.append(self._append(seq, out.new_tokens))
         if plan.decode:
             step_ms = (time.perf_counter() - start) * 1e3
+            if self.time_models is not None:
+                other_ms = max(step_ms - st.draft_ms - st.validate_ms, 1e-3)
+                self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
+                                                    st.draft_steps, st.draft_ms, other_ms)])
             self.stats.decode_seq_ms += len(updates) * step_ms
             self.stats.decode_tokens += sum(len(u.new_token_ids) for u in updates)
             if plan.trace:
