@@ -39,7 +39,7 @@ class StepSample:
 
 class ProfileRegistry:
     def __init__(self, refit_every: int = 64, initial: TimeModel | None = None, sweep: list[StepSample] = (),
-                 kind: str = "table"):
+                 kind: str = "linear"):
         self.refit_every, self.kind = refit_every, kind
         self.model = initial or TimeModel()
         self.last_report: FitReport | None = None

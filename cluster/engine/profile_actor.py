@@ -21,7 +21,7 @@ RESTART_PROBE_TIMEOUT_S = 60
 
 class ProfileActor:
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], ranks: list,
-                 kind: str = "table"):
+                 kind: str = "linear"):
         # After a restart, continue from the newest version the ranks hold: a version
         # number is never reused for different coefficients.
         held = []

@@ -103,7 +103,7 @@ def sweep(workers: WorkerGroup, cfg: Config, progress: bool = True) -> list[Step
     return samples
 
 
-def fit_samples(samples: list[StepSample], kind: str = "table") -> FitReport:
+def fit_samples(samples: list[StepSample], kind: str = "linear") -> FitReport:
     return ProfileRegistry(kind=kind).seed(samples)
 
 

@@ -52,7 +52,7 @@ class TimeModelLink(Protocol):
 
 
 def make_time_model_link(workers: WorkerGroup, refit_every: int, model: TimeModel,
-                         sweep: list[StepSample], kind: str = "table") -> TimeModelLink:
+                         sweep: list[StepSample], kind: str = "linear") -> TimeModelLink:
     if workers.actors is None:
         return LocalTimeModelLink(refit_every, model, sweep, workers, kind)
     return RayTimeModelLink(refit_every, model, sweep, workers, kind)
@@ -62,7 +62,7 @@ class LocalTimeModelLink:
     """The registry in this process, for an in-process rank: refits are installed at once."""
 
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: WorkerGroup,
-                 kind: str = "table"):
+                 kind: str = "linear"):
         self.registry = ProfileRegistry(refit_every, initial, sweep, kind)
         self.workers = workers
         self.version = initial.version
@@ -98,7 +98,7 @@ class RayTimeModelLink:
     refresh the cached report."""
 
     def __init__(self, refit_every: int, initial: TimeModel, sweep: list[StepSample], workers: WorkerGroup,
-                 kind: str = "table"):
+                 kind: str = "linear"):
         self.refit_every, self.sweep, self.model, self.kind = refit_every, sweep, initial, kind
         self.actor = self._start(initial, workers)
         self.status = TimeModelReport(initial.version, None, None)
