@@ -22,7 +22,7 @@ from controller.estimators import Calibrator, LogisticCalibrator, confidence
 from controller.time_model import TimeModel
 
 MODES = ("static", "adaptive", "oracle")
-PROBE_EVERY = 32  # an adaptive step drafts all k positions (whatever the budget) every 32 steps ...
+PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
 PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding that drafting does not pay ...
 PROBE_SHARE = 4  # ... and verifies everything drafted for every 4th sequence (rotating)
 
@@ -84,11 +84,11 @@ class SpecPolicy:
     def begin_step(self, mode: str, kv: np.ndarray, max_keep: np.ndarray, version: int,
                    oracle: np.ndarray | None = None) -> StepContext:
         """Probe steps: without them, drafts the estimate calls hopeless would never be
-        verified, and the calibrator could never learn that they are not. A probe drafts all
-        k positions and verifies all drafts of a rotating quarter of the sequences: cheap
-        enough to run where speculation does not pay, and the only way the rates of
-        positions past the budget are ever seen (drafting one past it, positions the
-        budget never reached kept their prior and held the budget down)."""
+        verified, and the calibrator could never learn that they are not. A probe drafts
+        one position past the budget and verifies all drafts of a rotating quarter of the
+        sequences: cheap enough to run where speculation does not pay. (Drafting all k
+        instead taught the rates of deeper positions, which then made the budget draft at
+        batch 8, where it does not pay here: DESIGN.md section 8, probes.)"""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = False
@@ -121,7 +121,7 @@ class SpecPolicy:
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay
             self.probe_every = min(PROBE_MAX_EVERY, self.probe_every * 2) if best_m == 0 else PROBE_EVERY
-            return k  # every position: rates of positions the budget never reaches are learnt too
+            return min(k, best_m + 1)
         return best_m
 
     def keep_drafting(self, top_prob: np.ndarray, tokens: np.ndarray) -> bool:

@@ -96,7 +96,7 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     policy = _policy()
     _teach(policy, 0.02)
     model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
-    assert _budget(policy, model) == 4  # the first adaptive step probes: it drafts all k whatever the budget (0)
+    assert _budget(policy, model) == 1  # the first adaptive step probes one position past the budget (0)
     assert policy.probe_every == 2 * PROBE_EVERY
     steps, probes = 0, policy.probes
     while policy.probe_every < PROBE_MAX_EVERY:
