@@ -86,9 +86,8 @@ class SpecPolicy:
         """Probe steps: without them, drafts the estimate calls hopeless would never be
         verified, and the calibrator could never learn that they are not. A probe drafts
         one position past the budget and verifies all drafts of a rotating quarter of the
-        sequences: cheap enough to run where speculation does not pay. (Drafting all k
-        instead taught the rates of deeper positions, which then made the budget draft at
-        batch 8, where it does not pay here: DESIGN.md section 8, probes.)"""
+        sequences: cheap enough to run where speculation does not pay. (Drafting all k at a
+        probe was tried: DESIGN.md section 8, probes.)"""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = False

@@ -25,7 +25,7 @@ class HFPeer:
     def __init__(self, cfg, tune_prompts: list[list[int]]):
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(cfg.parallel.threads())  # the same cores as the engine's rank
+        self.threads = cfg.parallel.threads()  # the same cores as the engine's rank, during its own waves
         self.device = "cuda" if cfg.parallel.device == "cuda" else "cpu"
         self.target = AutoModelForCausalLM.from_pretrained(cfg.model.target, dtype=torch.float32).to(self.device).eval()
         self.draft = AutoModelForCausalLM.from_pretrained(cfg.model.draft, dtype=torch.float32).to(self.device).eval()
@@ -68,11 +68,16 @@ class HFPeer:
 
     def _generate(self, prompt: list[int], output_len: int, **kwargs) -> tuple[list[int], float]:
         ids = torch.tensor([prompt], device=self.device)
-        t0 = time.perf_counter()
-        # eos_token_id=None: keep going past EOS without suppressing it, like ignore_eos
-        out = self.target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                                   do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-        return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+        engine_threads = torch.get_num_threads()  # the engine's setting (models/kernels.set_threads), restored after
+        torch.set_num_threads(self.threads)
+        try:
+            t0 = time.perf_counter()
+            # eos_token_id=None: keep going past EOS without suppressing it, like ignore_eos
+            out = self.target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                       do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+            return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(engine_threads)
 
     def _assisted(self, schedule: str, tokens: int, threshold: float) -> dict:
         cfg = self.draft.generation_config
