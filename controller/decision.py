@@ -6,7 +6,7 @@ keeping L_i drafts gives `E_i = 1 + sum_{j <= L_i} a[i, j]` expected tokens. Wit
 time models (controller/time_model.py) and the draft time already spent, the step's
 estimated throughput is
 
-    Theta(L) = sum_i E_i / (T_other + T_draft + f(Q) + b2 * sum_i (L_i + 1) kv_i),  Q = n + sum_i L_i
+    Theta(L) = E / (o0 + o1 E + T_draft + f(Q) + b2 * sum_i (L_i + 1) kv_i),  E = sum_i E_i, Q = n + sum_i L_i
 
 Rule: rank every candidate (i, j) by its gain per marginal context cost, a[i, j] / (s +
 b2 kv_i) with s the average marginal cost of a token under f (by a[i, j] alone when
@@ -64,9 +64,14 @@ def f_units(tm: TimeModel, n: int, extra: int) -> tuple[int, ...]:
     return tuple(int(x) for x in f_array(tm, n, extra))
 
 
-def _fixed_units(tm: TimeModel, n: int, draft_ms: float) -> int:
-    """The step's time that does not depend on the decision: drafting done and the rest."""
-    return int(round(draft_ms * UNITS_PER_MS)) + int(round(tm.other_ms(n) * UNITS_PER_MS))
+def _fixed_units(tm: TimeModel, draft_ms: float) -> int:
+    """The step's time that does not depend on the decision: drafting done, the rest's o0."""
+    return int(round(draft_ms * UNITS_PER_MS)) + int(round(tm.o0 * UNITS_PER_MS))
+
+
+def _per_token_units(tm: TimeModel) -> int:
+    """o1, the rest's cost per emitted token, in time units."""
+    return int(round(tm.o1 * UNITS_PER_MS))
 
 
 def context_units(tm: TimeModel, kv) -> list[int]:
@@ -124,7 +129,8 @@ def _decide_numpy(confidence: np.ndarray, kv_lens: np.ndarray, time_model: TimeM
     order = np.argsort(-key, kind="stable")[:live]  # the dead (a = 0) rank last: never kept
     seq = order % n
     e = n * CONF_ONE + np.concatenate(([0], np.cumsum(a_jmajor[order])))
-    t = _fixed_units(time_model, n, draft_ms) + f + int(ctx.sum()) + np.concatenate(([0], np.cumsum(ctx[seq])))
+    t = (_fixed_units(time_model, draft_ms) + f + int(ctx.sum()) + np.concatenate(([0], np.cumsum(ctx[seq])))
+         + ((_per_token_units(time_model) * e) >> CONF_BITS))
     count = _best_prefix(e / np.maximum(t, 1), min_gain)
     return np.bincount(seq[:count], minlength=n).astype(np.int64)
 
@@ -152,11 +158,11 @@ def _decide_small(conf: list[list[float]], kv: list[int], tm: TimeModel, min_gai
     else:
         s = max((f[-1] - f[0]) // max(len(cands), 1), 1)
         cands.sort(key=lambda c: (-((c[0] << RATIO_BITS) // (s + ctx[c[2]])), c[1], c[2]))
-    e, t = n * CONF_ONE, _fixed_units(tm, n, draft_ms) + sum(ctx)
-    theta = [e / max(t + f[0], 1)]
+    e, t, o = n * CONF_ONE, _fixed_units(tm, draft_ms) + sum(ctx), _per_token_units(tm)
+    theta = [e / max(t + f[0] + ((o * e) >> CONF_BITS), 1)]
     for m, (acc, _, i) in enumerate(cands, 1):
         e, t = e + acc, t + ctx[i]
-        theta.append(e / max(t + f[m], 1))
+        theta.append(e / max(t + f[m] + ((o * e) >> CONF_BITS), 1))
     keep = [0] * n
     for _, _, i in cands[:_best_prefix(theta, min_gain)]:
         keep[i] += 1

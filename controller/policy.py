@@ -110,12 +110,12 @@ class SpecPolicy:
         tm, n = c.model, len(c.kv)
         kv_sum = float(np.sum(c.kv))
         a = np.cumprod(self.calibrator.position_rates()[:k])
-        other = tm.other_ms(n)
-        best_m, best, expected = 0, 1.0 / (other + tm.validate_ms_from(n, kv_sum)), 1.0
+        best_m, best, expected = 0, 1.0 / (tm.other_ms(n) + tm.validate_ms_from(n, kv_sum)), 1.0
         draft_ms = tm.draft_step_ms(n)
         for m in range(1, k + 1):
             expected += a[m - 1]
-            theta = expected / (other + m * draft_ms + tm.validate_ms_from(n * (m + 1), (m + 1) * kv_sum))
+            theta = expected / (tm.other_ms(n * expected) + m * draft_ms
+                                + tm.validate_ms_from(n * (m + 1), (m + 1) * kv_sum))
             if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay

@@ -32,6 +32,7 @@ class StepSample:
     draft_steps: int
     draft_ms: float
     other_ms: float = 0.0  # the rest of the step (scheduling, sampling, bookkeeping); 0: not measured
+    emitted: int = 0  # tokens the step emitted (sequences plus accepted drafts)
 
     def features(self) -> list[float]:
         return [1.0, float(self.q_tokens), float(self.kv_tokens)]
@@ -87,8 +88,8 @@ class ProfileRegistry:
         drafted = [s for s in data if s.draft_steps > 0]
         draft_n = np.array([s.num_seqs for s in drafted], dtype=np.float64)
         draft_ms = np.array([s.draft_ms / s.draft_steps for s in drafted])
-        timed = [s for s in data if s.other_ms > 0]
-        other = (np.array([s.num_seqs for s in timed], dtype=np.float64), np.array([s.other_ms for s in timed]))
+        timed = [s for s in data if s.other_ms > 0 and s.emitted > 0]
+        other = (np.array([s.emitted for s in timed], dtype=np.float64), np.array([s.other_ms for s in timed]))
         report = fit(rows, val, draft_n, draft_ms, self.model.version + 1, self.kind, other)
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()

@@ -2,12 +2,14 @@
 
     T_val = f(Q) + b2 * sum_i q_i * kv_i        (ms), Q = sum_i q_i
     T_draft = g(n)                               (ms per draft step, n sequences)
-    T_other = o0 + o1 n                          (ms per step: scheduling, sampling, bookkeeping)
+    T_other = o0 + o1 E                          (ms per step, E tokens emitted: scheduling,
+                                                  sampling, accepting, detokenizing, storing)
 
-T_other is measured online (the step's wall time less drafting and validation) and is
-the same whatever the decision; it still belongs in Theta's denominator: without it a
-step looks cheaper than it is and speculation worth less (at batch 1 here it is about
-as long as the validate forward).
+T_other is measured online (the step's wall time less drafting and validation). Its
+per-token part is what speculation pays for every token it emits (about 0.15 ms per
+token at batch 1 and 32 here), so it belongs in Theta's denominator: without it a
+speculative step looked cheaper than it is, and the budget drafted at batch 8, where
+plain decoding is faster.
 
 q_i is the number of tokens sequence i validates (kept drafts + 1) and kv_i its context
 length. Two kinds (`speculative.adaptive.time_model`):
@@ -41,7 +43,7 @@ class TimeModel:
     d0: float = 0.5  # ms per draft step
     d1: float = 0.01  # ms per draft step per sequence
     o0: float = 0.0  # ms per step outside drafting and validation
-    o1: float = 0.0  # ... per sequence
+    o1: float = 0.0  # ... per emitted token
     # the table kind (empty: linear): f at q_knots, g at n_knots
     q_knots: tuple = ()
     q_ms: tuple = ()
@@ -66,8 +68,8 @@ class TimeModel:
         """The same prediction from the summed features."""
         return float(self.q_ms_at(q_tokens)) + self.b2 * kv_tokens
 
-    def other_ms(self, n: int) -> float:
-        return self.o0 + self.o1 * n
+    def other_ms(self, emitted: float) -> float:
+        return self.o0 + self.o1 * emitted
 
     def draft_step_ms(self, n: int) -> float:
         if self.n_knots:
@@ -148,7 +150,7 @@ KINDS = ("table", "linear")  # controller.config.TIME_MODELS
 def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms: np.ndarray,
         version: int, kind: str = "linear", other: tuple[np.ndarray, np.ndarray] | None = None) -> FitReport:
     """rows: (m, 3) features [1, Q, sum q*kv] of validate steps; draft_n / draft_ms: draft
-    steps' batch sizes and times per draft step; other: (batch sizes, ms) of the rest of
+    steps' batch sizes and times per draft step; other: (tokens emitted, ms) of the rest of
     measured steps. MAE and MAPE are over the validate points the fit kept."""
     report = _fit_validate_and_draft(rows, validate_ms, draft_n, draft_ms, version, kind)
     if other is not None and len(other[0]) >= 2:

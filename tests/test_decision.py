@@ -132,8 +132,9 @@ def _theta_units(a, keep, tm, kv, draft_ms):
     n = len(keep)
     e = n * CONF_ONE + sum(int(a[i, :keep[i]].sum()) for i in range(n))
     ctx = context_units(tm, kv)
-    t = (int(round(draft_ms * UNITS_PER_MS)) + int(f_array(tm, n, int(sum(keep)))[-1])
-         + sum((keep[i] + 1) * ctx[i] for i in range(n)))
+    t = (int(round(draft_ms * UNITS_PER_MS)) + int(round(tm.o0 * UNITS_PER_MS))
+         + int(f_array(tm, n, int(sum(keep)))[-1]) + sum((keep[i] + 1) * ctx[i] for i in range(n))
+         + ((int(round(tm.o1 * UNITS_PER_MS)) * e) >> 12))
     return e / max(t, 1)
 
 
@@ -157,7 +158,8 @@ def test_equals_exhaustive_optimum(seed, n, k, table, context):
     kv = rng.integers(1, 2000, n)
     b2 = float(rng.uniform(0.0, 0.003)) if context else 0.0
     tm = _random_table(rng) if table else TimeModel(b0=float(rng.uniform(0.1, 10)), b1=float(rng.uniform(0.01, 3)))
-    tm = TimeModel(**{**tm.__dict__, "b2": b2})
+    # the rest of the step: fixed and per emitted token
+    tm = TimeModel(**{**tm.__dict__, "b2": b2, "o0": float(rng.uniform(0, 1)), "o1": float(rng.uniform(0, 0.3))})
     draft_ms = float(rng.uniform(0, 5))
     keep = decide(conf, kv, tm, draft_ms=draft_ms)
     a = path_probs(quantize(conf))
@@ -176,6 +178,7 @@ def test_small_path_equals_vectorised_path_with_tables(conf, draft_ms, min_gain,
     conf = np.array(conf)
     rng = np.random.default_rng(seed)
     kv = rng.integers(1, 500, conf.shape[0])
-    tm = TimeModel(**{**_random_table(rng).__dict__, "b2": float(rng.uniform(0, 0.002))})
+    tm = TimeModel(**{**_random_table(rng).__dict__, "b2": float(rng.uniform(0, 0.002)),
+                      "o0": float(rng.uniform(0, 1)), "o1": float(rng.uniform(0, 0.3))})
     small = _decide_small(conf.tolist(), kv.tolist(), tm, min_gain, draft_ms, None)
     assert small == _decide_numpy(conf, kv, tm, min_gain, draft_ms, None).tolist()
