@@ -18,7 +18,7 @@ with the largest a, so this is the optimum; with context costs it is the greedy 
 order, within 1% of the optimum on random instances (tests/test_decision.py).
 
 Determinism across ranks: confidences are quantised to 2^-12, path probabilities are
-integers, times are integers in TIME_UNIT_NS (f rounded per Q), and Theta is the float
+integers, times are integers in TIME_UNIT_NS (time_model.py; f rounded per Q), and Theta is the float
 quotient of two integers below 2^53, which IEEE-754 rounds identically everywhere; no
 rank can decide differently because of a float's last bit.
 """
@@ -28,10 +28,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from controller.time_model import TIME_UNIT_NS, TimeModel
+from controller.time_model import UNITS_PER_MS, TimeModel
 
 SMALL = 64  # up to this many candidates, plain Python beats numpy's per-call overhead
-UNITS_PER_MS = 1_000_000 // TIME_UNIT_NS
 
 CONF_BITS = 12
 CONF_ONE = 1 << CONF_BITS  # fixed-point 1.0 for confidences and path probabilities

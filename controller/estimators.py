@@ -7,14 +7,23 @@
                        the top probability (default: best log-loss on recorded traces)
   token_prob           the draft's probability of the token it drafted (xLLM's choice)
 
-Under sampling only the first two are lossless: they depend on the draft distribution
-at j but not on the token drawn from it. `token_prob` makes the choice to verify a token
-depend on that token, which skews the output distribution (DESIGN.md section 3); it is
-allowed for greedy decoding only, where it equals `top_prob`.
+The top_prob estimators depend on the draft distribution at j but not on the token drawn
+from it. `token_prob` makes the choice to verify a token depend on that token; it stays
+lossless only because an unverified draft decides its own position in the sampler
+(DESIGN.md section 8, rejection sampling). For greedy decoding it equals `top_prob`.
 """
 from __future__ import annotations
 
 import numpy as np
+
+def outcomes(k: int, verified: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, k) masks: position j of sequence i was a trial if it was verified and every
+    draft before it was accepted; a hit if it was accepted too (hits lie within trials)."""
+    j = np.arange(k)[None, :]
+    accepted = np.asarray(accepted)[:, None]
+    trial = (j < np.asarray(verified)[:, None]) & (j <= accepted)
+    return trial, trial & (j < accepted)
+
 
 NUM_BUCKETS = 16
 LOGIT_RANGE = (-6.0, 3.0)  # bucket edges, evenly spaced in log-odds: most drafts here have p < 0.1
@@ -48,16 +57,13 @@ class Calibrator:
         return (hits + PRIOR_WEIGHT * self.centers[b]) / (trials + PRIOR_WEIGHT)
 
     def update(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
-        """Position j of sequence i was a trial if it was verified and every draft before it
-        was accepted; a hit if it was accepted too."""
+        """Count each trial and hit (`outcomes`) in its (position, bucket)."""
         n, k = top_prob.shape
-        j = np.arange(k)[None, :]
-        trial = (j < np.asarray(verified)[:, None]) & (j <= np.asarray(accepted)[:, None])
-        hit = j < np.asarray(accepted)[:, None]
+        trial, hit = outcomes(k, verified, accepted)
         b = self.buckets(top_prob)
-        jj = np.broadcast_to(j, (n, k))
+        jj = np.broadcast_to(np.arange(k)[None, :], (n, k))
         np.add.at(self.trials, (jj[trial], b[trial]), 1)
-        np.add.at(self.hits, (jj[hit & trial], b[hit & trial]), 1)
+        np.add.at(self.hits, (jj[hit], b[hit]), 1)
         full = self.trials >= HALVE_AT
         if full.any():
             self.trials[full] //= 2
@@ -100,11 +106,10 @@ class LogisticCalibrator:
         n, k = np.asarray(top_prob).shape
         if k == 0:
             return
-        j = np.arange(k)[None, :]
-        trial = (j < np.asarray(verified)[:, None]) & (j <= np.asarray(accepted)[:, None])
+        trial, hit = outcomes(k, verified, accepted)
         if not trial.any():
             return
-        y = (j < np.asarray(accepted)[:, None]).astype(np.float64)
+        y = hit.astype(np.float64)
         x = self.features(top_prob)  # (n, k, 3)
         p = self.estimate(top_prob)
         grad = (((y - p) * trial)[..., None] * x).sum(0)  # (k, 3)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 TIME_UNIT_NS = 100  # the decision compares times as integers of this many nanoseconds
-_UNITS_PER_MS = 1_000_000 // TIME_UNIT_NS
+UNITS_PER_MS = 1_000_000 // TIME_UNIT_NS
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,6 @@ def piecewise(x, knots, values):
     return y
 
 
-def features(q: np.ndarray, kv: np.ndarray) -> np.ndarray:
-    """One row of the design matrix for a step: [1, sum q, sum q*kv]."""
-    q, kv = np.asarray(q, dtype=np.float64), np.asarray(kv, dtype=np.float64)
-    return np.array([1.0, q.sum(), (q * kv).sum()])
-
-
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients clipped at zero: refit with the clipped ones removed
     until none is negative (an active-set pass; at most as many rounds as columns)."""
@@ -144,6 +138,12 @@ def robust_nonneg_lstsq(x: np.ndarray, y: np.ndarray, rounds: int = 3) -> tuple[
     return coef, keep
 
 
+def line_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[intercept, slope] of y over x: robust, relative, non-negative."""
+    x = np.asarray(x, dtype=np.float64)
+    return robust_nonneg_lstsq(np.stack([np.ones_like(x), x], 1), y)[0]
+
+
 KINDS = ("table", "linear")  # controller.config.TIME_MODELS
 
 
@@ -154,7 +154,7 @@ def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms
     measured steps. MAE and MAPE are over the validate points the fit kept."""
     report = _fit_validate_and_draft(rows, validate_ms, draft_n, draft_ms, version, kind)
     if other is not None and len(other[0]) >= 2:
-        o = robust_nonneg_lstsq(np.stack([np.ones_like(other[0]), other[0]], 1), other[1])[0]
+        o = line_fit(*other)
         report = dataclasses.replace(report, model=dataclasses.replace(report.model, o0=float(o[0]), o1=float(o[1])))
     return report
 
@@ -174,8 +174,7 @@ def _fit_validate_and_draft(rows, validate_ms, draft_n, draft_ms, version: int, 
         pred = model.q_ms_at(rows[kept, 1]) + model.b2 * rows[kept, 2]
     else:
         b, kept = robust_nonneg_lstsq(rows, validate_ms)
-        d = (robust_nonneg_lstsq(np.stack([np.ones_like(draft_n, dtype=np.float64), draft_n], 1), draft_ms)[0]
-             if len(draft_n) >= 2 else np.array([0.5, 0.01]))
+        d = line_fit(draft_n, draft_ms) if len(draft_n) >= 2 else np.array([0.5, 0.01])
         model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]), float(d[0]), float(d[1]))
         pred = rows[kept] @ b
     err = np.abs(pred - validate_ms[kept])

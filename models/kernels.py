@@ -52,9 +52,7 @@ def cpu_ops():
     with _lock:
         if "ops" not in _state:
             ops = _load()
-            if ops is not None:
-                ops.set_num_threads(_state.get("threads") or torch.get_num_threads())
-                torch.set_num_threads(1)  # see set_threads
+            _apply_threads(ops, _state.get("threads") or torch.get_num_threads())
             _state["ops"] = ops
         return _state["ops"]
 
@@ -68,6 +66,10 @@ def set_threads(n: int) -> None:
     with _lock:
         _state["threads"] = n
         ops = _state.get("ops")
+    _apply_threads(ops, n)
+
+
+def _apply_threads(ops, n: int) -> None:
     if ops is not None:
         ops.set_num_threads(n)
         torch.set_num_threads(1)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.estimators import Calibrator, LogisticCalibrator
+from controller.estimators import Calibrator, LogisticCalibrator, outcomes
 
 ESTIMATORS = ("top_prob", "top_prob_calibrated", "top_prob_logistic")
 
@@ -38,20 +38,19 @@ def replay(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     k = max(s["draft_steps"] for s in steps)
     bucket, logistic = Calibrator(k), LogisticCalibrator(k)
     preds: dict[str, list] = {name: [] for name in ESTIMATORS}
-    outcomes = []
+    labels = []
     for s in steps:
         top = np.array(s["top_prob"], dtype=np.float64).reshape(len(s["keep"]), -1)
         keep, acc = np.array(s["keep"]), np.array(s["accepted"])
-        j = np.arange(top.shape[1])[None, :]
-        trial = (j < keep[:, None]) & (j <= acc[:, None])
+        trial, hit = outcomes(top.shape[1], keep, acc)
         estimates = {"top_prob": top, "top_prob_calibrated": bucket.estimate(top),
                      "top_prob_logistic": logistic.estimate(top)}
         for name in ESTIMATORS:
             preds[name].append(estimates[name][trial])
-        outcomes.append((j < acc[:, None])[trial])
+        labels.append(hit[trial])
         bucket.update(top, keep, acc)
         logistic.update(top, keep, acc)
-    y = np.concatenate(outcomes).astype(np.float64)
+    y = np.concatenate(labels).astype(np.float64)
     return {name: (np.concatenate(p), y) for name, p in preds.items()}
 
 

@@ -4,8 +4,9 @@ By default every request and every streamed chunk crosses Serve's proxy actor, w
 took a quarter of this 2-core machine at 16 streaming clients (and the replica another
 quarter). Ray Serve's throughput mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, Ray >= 2.55)
 lets an application's ingress replica listen on a port of its own from
-`RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT` up to (not including) `..._MAX_HTTP_PORT`: served
-throughput here rose from 0.45-0.52x of the offline engine to 0.77-0.94x.
+`RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT` up to (not including) `..._MAX_HTTP_PORT`. With it
+(and the kernels' own thread pool) served plain decoding kept 0.69-0.81x of the offline
+engine's speed at 1-64 clients, against 0.35-0.58x before (docs/bench-serve).
 
 Serve's processes read these variables when they start, so they are set before an
 embedded Ray starts (`ray_env`); a cluster of its own sets them in its environment. The
