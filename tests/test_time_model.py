@@ -102,7 +102,7 @@ def test_table_follows_a_falling_cost_per_token_and_is_monotone():
     assert all(abs(x - (0.4 + 0.3 * np.sqrt(n))) < 0.05 for x, n in zip(g, (1, 4, 16, 32)))
     reg = ProfileRegistry(sweep=data)
     held = reg.held_out_mape()
-    assert held["table"] < held["linear"]
+    assert held["table"] < 0.03 and held["table"] < held["linear"]
 
 
 def test_unknown_kind_is_refused():
