@@ -24,7 +24,7 @@ rank can decide differently because of a float's last bit.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,24 +57,45 @@ def f_array(tm: TimeModel, n: int, extra: int) -> np.ndarray:
     return np.rint(tm.q_ms_at(np.arange(n, n + extra + 1)) * UNITS_PER_MS).astype(np.int64)
 
 
-@lru_cache(maxsize=512)
-def f_units(tm: TimeModel, n: int, extra: int) -> tuple[int, ...]:
-    """f_array as Python ints, cached (small batches repeat the same model, n and extra)."""
-    return tuple(int(x) for x in f_array(tm, n, extra))
-
-
-def _fixed_units(tm: TimeModel, draft_ms: float) -> int:
-    """The step's time that does not depend on the decision: drafting done, the rest's o0."""
-    return int(round(draft_ms * UNITS_PER_MS)) + int(round(tm.o0 * UNITS_PER_MS))
-
-
-def _per_token_units(tm: TimeModel) -> int:
-    """o1, the rest's cost per emitted token, in time units."""
-    return int(round(tm.o1 * UNITS_PER_MS))
-
-
 def context_units(tm: TimeModel, kv) -> list[int]:
     return [int(round(tm.b2 * float(x) * UNITS_PER_MS)) for x in kv]
+
+
+class StepCosts(NamedTuple):
+    """The decision's time terms for one step, in time units, computed once per step (a
+    step decides once per draft position and once more for the keep set)."""
+
+    n: int
+    ctx: np.ndarray | None  # (n,) b2 * kv_i: a validated token's context cost, per sequence (None: see ctx_list)
+    ctx_list: list[int]  # the same as Python ints (small batches; empty for large ones)
+    ctx_sum: int
+    uniform: bool  # every sequence's context cost is the same
+    fixed: int  # o0, the rest of the step's fixed cost
+    per_token: int  # o1, the rest's cost per emitted token
+    f: np.ndarray  # f(n + m) for m = 0..extra
+    f_list: tuple[int, ...]  # its first SMALL + 1 values as Python ints (the small path)
+
+
+def step_costs(tm: TimeModel, kv, extra: int, f: tuple | None = None) -> StepCosts:
+    """Costs for up to `extra` validated drafts over the n = len(kv) sequences; f, when
+    given, is f_table(tm, n, extra) computed before (steps of one batch size repeat it)."""
+    n = len(kv)
+    f_np, f_list = f_table(tm, n, extra) if f is None else f
+    if n <= SMALL:  # the small path may run (n * k <= SMALL): Python ints, no numpy calls
+        ctx_list = context_units(tm, kv)
+        return StepCosts(n, None, ctx_list, sum(ctx_list),
+                         n == 0 or min(ctx_list) == max(ctx_list), int(round(tm.o0 * UNITS_PER_MS)),
+                         int(round(tm.o1 * UNITS_PER_MS)), f_np, f_list)
+    # np.rint rounds half to even, as round() does: the same integers as context_units
+    ctx = np.rint(tm.b2 * np.asarray(kv, dtype=np.float64) * UNITS_PER_MS).astype(np.int64)
+    return StepCosts(n, ctx, [], int(ctx.sum()), bool(ctx.min() == ctx.max()), int(round(tm.o0 * UNITS_PER_MS)),
+                     int(round(tm.o1 * UNITS_PER_MS)), f_np, f_list)
+
+
+def f_table(tm: TimeModel, n: int, extra: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """f_array, and its first SMALL + 1 values as Python ints (the small path)."""
+    f = f_array(tm, n, extra)
+    return f, tuple(f[:SMALL + 1].tolist())
 
 
 def decide(confidence: np.ndarray, kv_lens: np.ndarray, time_model: TimeModel, min_gain: float = 0.0,
@@ -82,20 +103,31 @@ def decide(confidence: np.ndarray, kv_lens: np.ndarray, time_model: TimeModel, m
     """confidence: (n, k) in [0, 1]; kv_lens: (n,) context length of each sequence;
     max_keep: (n,) optional per-sequence cap; min_gain: each kept draft must raise Theta by
     more than this fraction. Returns keep: (n,) int64 in 0..k."""
-    n, k = confidence.shape
+    n, k = np.shape(confidence)
+    return decide_with(confidence, step_costs(time_model, kv_lens, n * k), min_gain, draft_ms, max_keep)
+
+
+def decide_with(confidence, costs: StepCosts, min_gain: float = 0.0, draft_ms: float = 0.0,
+                max_keep: np.ndarray | None = None, refine: bool = True) -> np.ndarray:
+    """`decide` with the step's costs already computed; confidence is an (n, k) array or,
+    for small batches, the same as a list of rows. refine=False skips the Dinkelbach
+    rounds (the early stop's question, asked after every draft step, takes the ratio order)."""
+    n = len(confidence)
+    k = len(confidence[0]) if n else 0
     if n == 0 or k == 0:
         return np.zeros(n, dtype=np.int64)
     if n * k <= SMALL:
-        return np.array(_decide_small(np.asarray(confidence).tolist(), np.asarray(kv_lens).tolist(), time_model,
-                                      min_gain, draft_ms, None if max_keep is None else np.asarray(max_keep).tolist()),
-                        dtype=np.int64)
-    return _decide_numpy(confidence, kv_lens, time_model, min_gain, draft_ms, max_keep)
+        conf = confidence if isinstance(confidence, list) else np.asarray(confidence).tolist()
+        cap = None if max_keep is None else np.asarray(max_keep).tolist()
+        return np.array(_decide_small(conf, costs, min_gain, draft_ms, cap, refine), dtype=np.int64)
+    return _decide_numpy(np.asarray(confidence, dtype=np.float64), costs, min_gain, draft_ms, max_keep, refine)
 
 
-def _best_prefix(theta: np.ndarray | list[float], min_gain: float) -> int:
-    """The prefix length with the highest Theta (the shortest among equals). With min_gain
-    g, prefix m scores Theta_m / (1 + g)^m: each kept draft must raise Theta by more than
-    the fraction g (the divisors by repeated multiplication, identical in both paths)."""
+def _best_prefix(theta: np.ndarray | list[float], min_gain: float) -> tuple[int, float]:
+    """The prefix length with the highest Theta (the shortest among equals), and its score.
+    With min_gain g, prefix m scores Theta_m / (1 + g)^m: each kept draft must raise Theta
+    by more than the fraction g (the divisors by repeated multiplication, identical in both
+    paths)."""
     if min_gain:
         scale, divisor = 1.0 + min_gain, 1.0
         if isinstance(theta, list):
@@ -106,42 +138,64 @@ def _best_prefix(theta: np.ndarray | list[float], min_gain: float) -> int:
             theta = scored
         else:
             theta = theta / np.cumprod(np.concatenate(([1.0], np.full(len(theta) - 1, scale))))
-    return max(range(len(theta)), key=theta.__getitem__) if isinstance(theta, list) else int(np.argmax(theta))
+    if isinstance(theta, list):
+        best = max(range(len(theta)), key=theta.__getitem__)
+        return best, theta[best]
+    best = int(np.argmax(theta))
+    return best, float(theta[best])
 
 
-def _decide_numpy(confidence: np.ndarray, kv_lens: np.ndarray, time_model: TimeModel, min_gain: float,
-                  draft_ms: float, max_keep: np.ndarray | None) -> np.ndarray:
+def _draft_units(draft_ms: float) -> int:
+    return int(round(draft_ms * UNITS_PER_MS))
+
+
+REFINE_ROUNDS = 4  # Dinkelbach rounds after the ratio order (context costs only); 1-2 suffice in practice
+
+
+def _decide_numpy(confidence: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float,
+                  max_keep: np.ndarray | None, refine: bool = True) -> np.ndarray:
     n, k = confidence.shape
     a = path_probs(quantize(confidence))  # (n, k)
     if max_keep is not None:
         a = np.where(np.arange(k)[None, :] < np.asarray(max_keep)[:, None], a, 0)
-    ctx = np.array(context_units(time_model, kv_lens), dtype=np.int64)
+    ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
     live = int((a > 0).sum())
-    f = f_array(time_model, n, live)
+    f = costs.f[:live + 1]
+    base = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum + f
     # Ranked by key desc, then j asc, then i asc: a stable sort on -key over a j-major layout.
     a_jmajor = a.T.reshape(-1)  # index = j * n + i
-    if ctx.min() == ctx.max():
-        key = a_jmajor
+    dead = a_jmajor <= 0  # rank last: never kept
+
+    def best_of(key):
+        order = np.argsort(-np.where(dead, np.iinfo(np.int64).min + 1, key), kind="stable")[:live]
+        e = n * CONF_ONE + np.concatenate(([0], np.cumsum(a_jmajor[order])))
+        t = base + np.concatenate(([0], np.cumsum(ctx[order % n]))) + ((costs.per_token * e) >> CONF_BITS)
+        count, score = _best_prefix(e / np.maximum(t, 1), min_gain)
+        return order % n, count, score, int(e[count]), int(t[count])
+
+    if costs.uniform:
+        seq, count, *_ = best_of(a_jmajor)
     else:
+        ctx_jmajor = np.tile(ctx, k)
         s = max((int(f[-1]) - int(f[0])) // max(live, 1), 1)
-        key = np.where(a_jmajor > 0, (a_jmajor << RATIO_BITS) // (s + np.tile(ctx, k)), -1)
-    order = np.argsort(-key, kind="stable")[:live]  # the dead (a = 0) rank last: never kept
-    seq = order % n
-    e = n * CONF_ONE + np.concatenate(([0], np.cumsum(a_jmajor[order])))
-    t = (_fixed_units(time_model, draft_ms) + f + int(ctx.sum()) + np.concatenate(([0], np.cumsum(ctx[seq])))
-         + ((_per_token_units(time_model) * e) >> CONF_BITS))
-    count = _best_prefix(e / np.maximum(t, 1), min_gain)
+        seq, count, score, e, t = best_of((a_jmajor << RATIO_BITS) // (s + ctx_jmajor))
+        for _ in range(REFINE_ROUNDS if refine else 0):
+            d = t * CONF_ONE - e * costs.per_token
+            if d <= 0:
+                break
+            got = best_of(a_jmajor * d - e * CONF_ONE * ctx_jmajor)
+            if got[2] <= score:
+                break
+            seq, count, score, e, t = got
     return np.bincount(seq[:count], minlength=n).astype(np.int64)
 
 
-def _decide_small(conf: list[list[float]], kv: list[int], tm: TimeModel, min_gain: float, draft_ms: float,
-                  max_keep: list[int] | None) -> list[int]:
+def _decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, draft_ms: float,
+                  max_keep: list[int] | None, refine: bool = True) -> list[int]:
     """The same rule and the same arithmetic as `_decide_numpy`, in plain Python (equal
     results; tests check it). Small batches decide once per draft step, so this is on the
     hot path at batch 1."""
-    n = len(conf)
-    ctx = context_units(tm, kv)
-    uniform = min(ctx) == max(ctx)
+    n, ctx = len(conf), costs.ctx_list
     cands = []  # (a, j, i)
     for i, row in enumerate(conf):
         acc = CONF_ONE
@@ -151,19 +205,39 @@ def _decide_small(conf: list[list[float]], kv: list[int], tm: TimeModel, min_gai
             if acc <= 0:
                 break
             cands.append((acc, j, i))
-    f = f_units(tm, n, len(cands))
-    if uniform:
-        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    f, o = costs.f_list, costs.per_token
+    fixed = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum
+
+    def best_of(ranked):
+        e, t = n * CONF_ONE, fixed
+        theta = [e / max(t + f[0] + ((o * e) >> CONF_BITS), 1)]
+        totals = [(e, t + f[0] + ((o * e) >> CONF_BITS))]
+        for m, (acc, _, i) in enumerate(ranked, 1):
+            e, t = e + acc, t + ctx[i]
+            total = t + f[m] + ((o * e) >> CONF_BITS)
+            theta.append(e / max(total, 1))
+            totals.append((e, total))
+        count, score = _best_prefix(theta, min_gain)
+        return ranked, count, score, *totals[count]
+
+    if n == 1:  # one sequence: its path probabilities already fall with j
+        ranked, count, *_ = best_of(cands)
+    elif costs.uniform:
+        ranked, count, *_ = best_of(sorted(cands, key=lambda c: (-c[0], c[1], c[2])))
     else:
-        s = max((f[-1] - f[0]) // max(len(cands), 1), 1)
-        cands.sort(key=lambda c: (-((c[0] << RATIO_BITS) // (s + ctx[c[2]])), c[1], c[2]))
-    e, t, o = n * CONF_ONE, _fixed_units(tm, draft_ms) + sum(ctx), _per_token_units(tm)
-    theta = [e / max(t + f[0] + ((o * e) >> CONF_BITS), 1)]
-    for m, (acc, _, i) in enumerate(cands, 1):
-        e, t = e + acc, t + ctx[i]
-        theta.append(e / max(t + f[m] + ((o * e) >> CONF_BITS), 1))
+        s = max((f[len(cands)] - f[0]) // max(len(cands), 1), 1)
+        ranked, count, score, e, t = best_of(sorted(cands, key=lambda c: (-((c[0] << RATIO_BITS) // (s + ctx[c[2]])),
+                                                                            c[1], c[2])))
+        for _ in range(REFINE_ROUNDS if refine else 0):
+            d = t * CONF_ONE - e * o
+            if d <= 0:
+                break
+            got = best_of(sorted(cands, key=lambda c: (-(c[0] * d - e * CONF_ONE * ctx[c[2]]), c[1], c[2])))
+            if got[2] <= score:
+                break
+            ranked, count, score, e, t = got
     keep = [0] * n
-    for _, _, i in cands[:_best_prefix(theta, min_gain)]:
+    for _, _, i in ranked[:count]:
         keep[i] += 1
     return keep
 

@@ -14,6 +14,8 @@ lossless only because an unverified draft decides its own position in the sample
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 def outcomes(k: int, verified: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -49,10 +51,10 @@ class Calibrator:
         p = np.clip(np.asarray(top_prob, dtype=np.float64), 1e-6, 1 - 1e-6)
         return np.searchsorted(cls.EDGES, np.log(p) - np.log1p(-p))
 
-    def estimate(self, top_prob: np.ndarray) -> np.ndarray:
-        """top_prob: (n, k') with k' <= k -> calibrated acceptance (n, k')."""
+    def estimate(self, top_prob: np.ndarray, start: int = 0) -> np.ndarray:
+        """top_prob: (n, k') of positions start..start+k'-1 -> calibrated acceptance (n, k')."""
         b = self.buckets(top_prob)
-        j = np.broadcast_to(np.arange(b.shape[1]), b.shape)
+        j = np.broadcast_to(np.arange(start, start + b.shape[1]), b.shape)
         hits, trials = self.hits[j, b], self.trials[j, b]
         return (hits + PRIOR_WEIGHT * self.centers[b]) / (trials + PRIOR_WEIGHT)
 
@@ -60,10 +62,11 @@ class Calibrator:
         """Count each trial and hit (`outcomes`) in its (position, bucket)."""
         n, k = top_prob.shape
         trial, hit = outcomes(k, verified, accepted)
-        b = self.buckets(top_prob)
-        jj = np.broadcast_to(np.arange(k)[None, :], (n, k))
-        np.add.at(self.trials, (jj[trial], b[trial]), 1)
-        np.add.at(self.hits, (jj[hit], b[hit]), 1)
+        rows, pos = np.nonzero(trial)
+        cell = pos * NUM_BUCKETS + self.buckets(top_prob[rows, pos])  # only the trials' buckets
+        size = k * NUM_BUCKETS
+        self.trials[:k] += np.bincount(cell, minlength=size).reshape(k, NUM_BUCKETS)
+        self.hits[:k] += np.bincount(cell, hit[rows, pos], minlength=size).astype(np.int64).reshape(k, NUM_BUCKETS)
         full = self.trials >= HALVE_AT
         if full.any():
             self.trials[full] //= 2
@@ -91,6 +94,7 @@ class LogisticCalibrator:
     def __init__(self, k: int):
         self.w = np.tile(np.array([0.0, 1.0, -1.0]), (k, 1))
         self.h = np.tile(np.eye(3) * PRIOR_PRECISION, (k, 1, 1))
+        self._w = self.w.tolist()  # the weights as Python floats (estimate_column's small path)
 
     @staticmethod
     def features(top_prob: np.ndarray) -> np.ndarray:
@@ -100,22 +104,44 @@ class LogisticCalibrator:
     def estimate(self, top_prob: np.ndarray) -> np.ndarray:
         x = self.features(top_prob)
         z = (x * self.w[None, : x.shape[1]]).sum(-1)
-        return 1.0 / (1.0 + np.exp(-z))
+        return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
-    def update(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+    def estimate_column(self, top_prob: list[float] | np.ndarray, j: int) -> list[float] | np.ndarray:
+        """Position j's estimates for one column of top probabilities: plain Python for a
+        list (a few values: numpy's per-call cost would dominate), vectorised for an array."""
+        if not isinstance(top_prob, list):
+            p = np.clip(np.asarray(top_prob, dtype=np.float64), EPS, 1 - EPS)
+            z = self.w[j, 0] + self.w[j, 1] * np.log(p) + self.w[j, 2] * np.log1p(-p)
+            return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
+        w0, w1, w2 = self._w[j]
+        out = []
+        for p in top_prob:
+            p = min(max(p, EPS), 1 - EPS)
+            z = min(max(w0 + w1 * math.log(p) + w2 * math.log1p(-p), -60.0), 60.0)
+            out.append(1.0 / (1.0 + math.exp(-z)))
+        return out
+
+    def update(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
+        """Outcomes of `steps` steps at once (their old evidence fades `steps` times). Only
+        the trials enter the sums (per position, by bincount: linear in the trials)."""
         n, k = np.asarray(top_prob).shape
         if k == 0:
             return
         trial, hit = outcomes(k, verified, accepted)
-        if not trial.any():
+        rows, pos = np.nonzero(trial)
+        if not len(rows):
             return
-        y = hit.astype(np.float64)
-        x = self.features(top_prob)  # (n, k, 3)
-        p = self.estimate(top_prob)
-        grad = (((y - p) * trial)[..., None] * x).sum(0)  # (k, 3)
-        curvature = ((p * (1 - p) * trial)[..., None, None] * x[..., :, None] * x[..., None, :]).sum(0)
-        self.h[:k] = FORGET * self.h[:k] + curvature
+        x = self.features(np.asarray(top_prob)[rows, pos])  # (T, 3)
+        p = 1.0 / (1.0 + np.exp(-np.clip((x * self.w[pos]).sum(-1), -60.0, 60.0)))
+        residual, weight = hit[rows, pos] - p, p * (1 - p)
+        grad = np.stack([np.bincount(pos, residual * x[:, a], minlength=k) for a in range(3)], axis=-1)  # (k, 3)
+        curvature = np.empty((k, 3, 3))
+        for a in range(3):
+            for b in range(a, 3):
+                curvature[:, a, b] = curvature[:, b, a] = np.bincount(pos, weight * x[:, a] * x[:, b], minlength=k)
+        self.h[:k] = FORGET ** steps * self.h[:k] + curvature
         self.w[:k] += np.linalg.solve(self.h[:k], grad[..., None])[..., 0]
+        self._w = self.w.tolist()
 
 
 def confidence(estimator: str, top_prob: np.ndarray, token_prob: np.ndarray,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import decide
+from controller.decision import SMALL, StepCosts, decide_with, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator, confidence
 from controller.time_model import TimeModel
 
@@ -25,6 +25,7 @@ MODES = ("static", "adaptive", "oracle")
 PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
 PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding that drafting does not pay ...
 PROBE_SHARE = 4  # ... and verifies everything drafted for every 4th sequence (rotating)
+OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of this many steps
 
 
 @dataclass
@@ -35,6 +36,9 @@ class StepContext:
     max_keep: np.ndarray  # (n,) drafts each sequence may verify
     model: TimeModel
     oracle: np.ndarray | None  # (n, k) reference tokens after the last emitted one (-1 past the end)
+    kmax: int = 0  # max(max_keep)
+    costs: StepCosts | None = None  # adaptive steps: the decision's time terms
+    conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
 
 
 class SpecPolicy:
@@ -50,6 +54,10 @@ class SpecPolicy:
         self.probe_every = PROBE_EVERY
         self.last_probe = -PROBE_EVERY  # the first adaptive step probes
         self.ctx: StepContext | None = None
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # outcomes not yet in the calibrators
+        self._observed = 0
+        self._rates = self.calibrator.position_rates().tolist()  # per draft position, as of the last batch
+        self._f_cache: dict[tuple, tuple] = {}  # f values a time model gives a batch size (see _f)
 
     # ------------------------------------------------------------------ time models
     def install(self, model: TimeModel) -> int:
@@ -96,7 +104,7 @@ class SpecPolicy:
             probe = self.adaptive_steps - self.last_probe >= self.probe_every
             if probe:
                 self.last_probe, self.probes = self.adaptive_steps, self.probes + 1
-        self.ctx = StepContext(mode, probe, kv, max_keep, self.model(version), oracle)
+        self.ctx = StepContext(mode, probe, kv, max_keep, self.model(version), oracle, int(max_keep.max(initial=0)))
         return self.ctx
 
     def draft_budget(self, k: int) -> int:
@@ -108,14 +116,14 @@ class SpecPolicy:
         if c.mode != "adaptive" or k == 0:
             return k
         tm, n = c.model, len(c.kv)
-        kv_sum = float(np.sum(c.kv))
-        a = np.cumprod(self.calibrator.position_rates()[:k])
-        best_m, best, expected = 0, 1.0 / (tm.other_ms(n) + tm.validate_ms_from(n, kv_sum)), 1.0
-        draft_ms = tm.draft_step_ms(n)
+        kv_ms = tm.b2 * float(c.kv.sum())  # one validated token per sequence: context cost of the batch
+        f = self._f(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
+        draft_ms, rates = tm.draft_step_ms(n), self._rates
+        best_m, best, expected, path = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
         for m in range(1, k + 1):
-            expected += a[m - 1]
-            theta = expected / (tm.other_ms(n * expected) + m * draft_ms
-                                + tm.validate_ms_from(n * (m + 1), (m + 1) * kv_sum))
+            path *= rates[m - 1]
+            expected += path
+            theta = expected / (tm.other_ms(n * expected) + m * draft_ms + f[m] + (m + 1) * kv_ms)
             if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay
@@ -123,36 +131,63 @@ class SpecPolicy:
             return min(k, best_m + 1)
         return best_m
 
-    def keep_drafting(self, top_prob: np.ndarray, tokens: np.ndarray) -> bool:
-        """After j draft steps (top_prob, tokens: (n, j)), is draft j+1 worth drafting?
-        adaptive: only if some sequence would keep it even with confidence 1;
+    def keep_drafting(self, top_prob: list[np.ndarray], tokens: list[np.ndarray]) -> bool:
+        """After j draft steps (top_prob, tokens: j columns of (n,)), is draft j+1 worth
+        drafting? adaptive: only if some sequence would keep it even with confidence 1;
         oracle: only if some sequence still matches the reference."""
         c = self.ctx
-        n, j = top_prob.shape
+        j = len(top_prob)
         if c.mode == "oracle":
-            return bool((self._oracle_match(tokens) >= j).any())
+            return bool((self._oracle_match(np.stack([np.asarray(t) for t in tokens], 1)) >= j).any())
         if c.mode != "adaptive" or c.probe or not self.cfg.adaptive.early_stop:
             return True
-        conf = np.concatenate([self.confidence(top_prob, top_prob), np.ones((n, 1))], axis=1)
+        n = len(c.kv)
+        cols = self._estimates(top_prob)
+        conf = _matrix(cols + [[1.0] * n if isinstance(cols[0], list) else np.ones(n)])
         draft_ms = (j + 1) * c.model.draft_step_ms(n)  # predicted, never measured: same on every rank
-        keep = decide(conf, c.kv, c.model, self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
-        return bool((keep > j).any())
+        keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep, refine=False)
+        return bool(keep.max() > j)
 
-    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, tokens: np.ndarray | None) -> np.ndarray:
         """(n,) drafts each sequence validates; top_prob, token_prob, tokens: (n, m)."""
         c = self.ctx
-        m = top_prob.shape[1]
+        n, m = top_prob.shape
         if c.mode == "oracle":
             return np.minimum(np.minimum(self._oracle_match(tokens), c.max_keep), m)
         if c.mode == "static" or m == 0:
             return np.minimum(c.max_keep, m)
-        conf = self.confidence(top_prob, token_prob)
-        draft_ms = m * c.model.draft_step_ms(len(c.kv))
-        keep = decide(conf, c.kv, c.model, self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
+        if self.cfg.adaptive.estimator == "token_prob":
+            conf = token_prob
+        else:
+            small = n * c.kmax <= SMALL  # one conversion to Python for small batches
+            cols = [list(col) for col in zip(*top_prob.tolist())] if small else [top_prob[:, j] for j in range(m)]
+            conf = _matrix(self._estimates(cols))
+        draft_ms = m * c.model.draft_step_ms(n)
+        keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
         if c.probe:  # a rotating share of sequences verifies everything drafted
             chosen = (np.arange(len(keep)) + self.probes) % PROBE_SHARE == 0
             keep = np.where(chosen, np.minimum(c.max_keep, m), keep)
         return keep
+
+    def _costs(self) -> StepCosts:
+        """The step's decision costs, computed on first use (a step that drafts nothing never needs them)."""
+        c = self.ctx
+        if c.costs is None:
+            extra = len(c.kv) * c.kmax
+            c.costs = step_costs(c.model, c.kv, extra, self._f(c.model, "decide", len(c.kv), extra))
+        return c.costs
+
+    def _f(self, tm: TimeModel, use: str, n: int, extra: int):
+        """Values of f that steps of one batch size ask again and again, computed once per
+        time model (steps repeat a batch size far more often than a model changes)."""
+        key = (use, id(tm), n, extra)
+        hit = self._f_cache.get(key)
+        if hit is None or hit[0] is not tm:  # (an id can come back for a new model once the old one is gone)
+            if len(self._f_cache) > 256:
+                self._f_cache.clear()
+            f = tm.q_ms_at(n * np.arange(1, extra + 2)).tolist() if use == "budget" else f_table(tm, n, extra)
+            hit = self._f_cache[key] = (tm, f)
+        return hit[1]
 
     def _oracle_match(self, tokens: np.ndarray) -> np.ndarray:
         j = tokens.shape[1]
@@ -160,10 +195,61 @@ class SpecPolicy:
         return np.cumprod(match, axis=1).sum(axis=1)
 
     # ------------------------------------------------------------------ estimates
+    def _estimates(self, top_prob: list[np.ndarray]) -> list:
+        """Acceptance estimates of the step's draft positions, one column each, computed
+        once per position and step (the calibrators change only between steps); Python
+        lists for small batches, arrays for large ones. token_prob's early stop uses the
+        top probability, an upper bound of the drafted token's."""
+        c = self.ctx
+        if c.conf is None:
+            c.conf = []
+        small = len(c.kv) * c.kmax <= SMALL
+        est = self.cfg.adaptive.estimator
+        for j in range(len(c.conf), len(top_prob)):
+            col = top_prob[j]
+            if small != isinstance(col, list):
+                col = col.tolist() if small else np.asarray(col, dtype=np.float64)
+            if est == "top_prob_logistic":
+                col = self.logistic.estimate_column(col, j)
+            elif est == "top_prob_calibrated":
+                col = self.calibrator.estimate(np.asarray(col, dtype=np.float64)[:, None], start=j)[:, 0]
+                col = col.tolist() if small else col
+            c.conf.append(col)
+        return c.conf[:len(top_prob)]
+
     def confidence(self, top_prob: np.ndarray, token_prob: np.ndarray) -> np.ndarray:
+        self._flush()
         return confidence(self.cfg.adaptive.estimator, top_prob, token_prob, self.calibrator, self.logistic)
 
     def observe(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
-        self.calibrator.update(top_prob, verified, accepted)
+        """Validation outcomes (top_prob: (n, m) of the drafts that could be verified).
+        They reach the calibrators every OBSERVE_EVERY steps, as one batch: one fixed cost
+        per batch instead of per step, and the same batches on every rank."""
+        if top_prob.shape[1]:
+            self._pending.append((top_prob, verified, accepted))
+        self._observed += 1
+        if self._observed % OBSERVE_EVERY == 0:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        width = max(t.shape[1] for t, _, _ in self._pending)
+        top = np.zeros((sum(len(t) for t, _, _ in self._pending), width))
+        row = 0
+        for t, _, _ in self._pending:
+            top[row:row + len(t), :t.shape[1]] = t  # past a step's width nothing was verified
+            row += len(t)
+        verified = np.concatenate([v for _, v, _ in self._pending])
+        accepted = np.concatenate([a for _, _, a in self._pending])
+        steps = len(self._pending)
+        self._pending = []
+        self.calibrator.update(top, verified, accepted)
         if self.cfg.adaptive.estimator == "top_prob_logistic":
-            self.logistic.update(top_prob, verified, accepted)
+            self.logistic.update(top, verified, accepted, steps=steps)
+        self._rates = self.calibrator.position_rates().tolist()
+
+
+def _matrix(cols: list) -> list[list[float]] | np.ndarray:
+    """Columns (Python lists for small batches, arrays otherwise) -> rows, as the decision takes them."""
+    return [list(row) for row in zip(*cols)] if isinstance(cols[0], list) else np.stack(cols, 1)

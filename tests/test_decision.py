@@ -5,7 +5,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.decision import CONF_ONE, _decide_numpy, _decide_small, decide, path_probs, quantize
+from controller.decision import (CONF_ONE, SMALL, _decide_numpy, _decide_small, decide, path_probs, quantize,
+                                 step_costs)
 from controller.time_model import TimeModel
 
 CHEAP = TimeModel(b0=10.0, b1=0.01, b2=0.0)  # validation nearly free per token: keep confident drafts
@@ -119,10 +120,10 @@ def test_small_path_equals_vectorised_path(conf, b0, b1, b2, draft_ms, min_gain,
     kv = rng.integers(1, 500, conf.shape[0])
     cap = rng.integers(0, conf.shape[1] + 1, conf.shape[0])
     tm = TimeModel(b0=b0, b1=b1, b2=b2)
+    costs = step_costs(tm, kv, conf.size)
     for max_keep in (None, cap):
-        small = _decide_small(conf.tolist(), kv.tolist(), tm, min_gain, draft_ms,
-                              None if max_keep is None else max_keep.tolist())
-        assert small == _decide_numpy(conf, kv, tm, min_gain, draft_ms, max_keep).tolist()
+        small = _decide_small(conf.tolist(), costs, min_gain, draft_ms, None if max_keep is None else max_keep.tolist())
+        assert small == _decide_numpy(conf, costs, min_gain, draft_ms, max_keep).tolist()
 
 
 def _theta_units(a, keep, tm, kv, draft_ms):
@@ -148,9 +149,10 @@ def _random_table(rng) -> TimeModel:
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 4), k=st.integers(1, 5), table=st.booleans(),
        context=st.booleans())
 def test_equals_exhaustive_optimum(seed, n, k, table, context):
-    """Against every combination of per-sequence prefixes: the optimum when the cost
-    depends only on the total number of validated tokens, at least 0.99 of it with
-    per-sequence context costs."""
+    """Against every combination of per-sequence prefixes: the optimum, whether the cost
+    depends only on the total number of validated tokens or also on each sequence's
+    context (the ratio order alone reached 0.987 of it on some of these instances; the
+    Dinkelbach rounds close the gap)."""
     import itertools
 
     rng = np.random.default_rng(seed)
@@ -165,10 +167,7 @@ def test_equals_exhaustive_optimum(seed, n, k, table, context):
     a = path_probs(quantize(conf))
     best = max(_theta_units(a, np.array(c), tm, kv, draft_ms) for c in itertools.product(range(k + 1), repeat=n))
     got = _theta_units(a, keep, tm, kv, draft_ms)
-    if b2 == 0.0:
-        assert got >= best * (1 - 1e-9)
-    else:
-        assert got >= best * 0.99
+    assert got >= best * (1 - 1e-9)
 
 
 @settings(max_examples=200, deadline=None)
@@ -180,5 +179,17 @@ def test_small_path_equals_vectorised_path_with_tables(conf, draft_ms, min_gain,
     kv = rng.integers(1, 500, conf.shape[0])
     tm = TimeModel(**{**_random_table(rng).__dict__, "b2": float(rng.uniform(0, 0.002)),
                       "o0": float(rng.uniform(0, 1)), "o1": float(rng.uniform(0, 0.3))})
-    small = _decide_small(conf.tolist(), kv.tolist(), tm, min_gain, draft_ms, None)
-    assert small == _decide_numpy(conf, kv, tm, min_gain, draft_ms, None).tolist()
+    costs = step_costs(tm, kv, conf.size)
+    small = _decide_small(conf.tolist(), costs, min_gain, draft_ms, None)
+    assert small == _decide_numpy(conf, costs, min_gain, draft_ms, None).tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(b2=st.floats(0, 0.01), seed=st.integers(0, 1000))
+def test_context_costs_are_the_same_integers_for_large_batches(b2, seed):
+    """Large batches compute the per-sequence context costs vectorised: the same
+    integers (round half to even) as the small path's Python arithmetic."""
+    kv = np.random.default_rng(seed).integers(0, 100_000, 3 * SMALL)
+    tm = TimeModel(b2=b2)
+    small = [step_costs(tm, kv[i:i + SMALL], SMALL).ctx_list for i in range(0, len(kv), SMALL)]
+    assert step_costs(tm, kv, 1).ctx.tolist() == [x for part in small for x in part]

@@ -82,6 +82,7 @@ class StepStats:
     draft_ms: float = 0.0
     validate_ms: float = 0.0
     step_ms: float = 0.0
+    control_ms: float = 0.0  # speculation control on rank 0: budget, early stop, keep, calibration
     draft_steps: int = 0  # autoregressive draft forwards run
     num_seqs: int = 0
     num_tokens: int = 0  # target tokens computed (sum of q_len)

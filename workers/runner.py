@@ -33,6 +33,7 @@ class DraftBlock:
     q: dict[int, torch.Tensor]  # sampled sequence index -> (m, V) distributions its drafts were drawn from
     margin: np.ndarray | None = None  # (n, m) top-1 minus top-2 probability (step traces only)
     entropy: np.ndarray | None = None  # (n, m) entropy of the draft distribution, nats (step traces only)
+    control_ms: float = 0.0  # time spent deciding whether to draft on (the early stop)
 
 
 class ModelRunner:
@@ -126,12 +127,17 @@ class ModelRunner:
         kv = np.array([s.num_computed for s in seqs], dtype=np.int64)
         max_keep = np.array([p.num_spec for p in plan.seqs], dtype=np.int64)
         k = int(max_keep.max()) if self.proposer is not None else 0
-        ctx = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, _oracle(plan, k))
         t0 = time.perf_counter()
-        draft = self._draft(seqs, [p.sampling for p in plan.seqs], self.policy.draft_budget(k), plan.trace)
-        stats.draft_ms = (time.perf_counter() - t0) * 1e3
-        keep = self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy())  # (n,) numpy
+        ctx = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, _oracle(plan, k))
+        budget = self.policy.draft_budget(k)
         t1 = time.perf_counter()
+        draft = self._draft(seqs, [p.sampling for p in plan.seqs], budget, plan.trace)
+        t2 = time.perf_counter()
+        keep = self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy())  # (n,) numpy
+        t3 = time.perf_counter()
+        stats.draft_ms = (t2 - t1) * 1e3 - draft.control_ms  # the draft forwards, without the early stop
+        stats.control_ms = (t1 - t0 + t3 - t2) * 1e3 + draft.control_ms
+        t1 = t3
         lens = (keep + 1).tolist()
         batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
                                 self.device)
@@ -157,7 +163,8 @@ class ModelRunner:
         position's top-2 margin and entropy."""
         n = len(seqs)
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
-        tokens, top, chosen, qs = [], [], [], {i: [] for i in sampled}
+        tokens, chosen, qs = [], [], {i: [] for i in sampled}
+        top_cols, control_ms = [], 0.0  # top as (n,) float64 columns for the early stop, and its time
         margins, entropies = [], []
         if budget > 0:
             logits = self.proposer.begin(seqs, self.block_size)
@@ -178,20 +185,23 @@ class ModelRunner:
                     margins.append(top2[:, 0] - top2[:, 1])
                     entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
                 tokens.append(d)
-                top.append(p_top)
+                top_cols.append(p_top.double().numpy())
                 chosen.append(p_tok)
-                if j == budget - 1 or not self.policy.keep_drafting(torch.stack(top, 1).double().numpy(),
-                                                                    torch.stack(tokens, 1).numpy()):
+                if j == budget - 1:
+                    break
+                t0 = time.perf_counter()
+                more = self.policy.keep_drafting(top_cols, tokens)
+                control_ms += (time.perf_counter() - t0) * 1e3
+                if not more:
                     break
                 logits = self.proposer.next(d.to(self.device))
         if not tokens:
             empty = np.zeros((n, 0))
             return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(top, 1).double().numpy(),
-                          torch.stack(chosen, 1).double().numpy(), len(tokens),
-                          {i: torch.stack(rows) for i, rows in qs.items()},
+        return DraftBlock(torch.stack(tokens, 1), np.stack(top_cols, 1), torch.stack(chosen, 1).double().numpy(),
+                          len(tokens), {i: torch.stack(rows) for i, rows in qs.items()},
                           torch.stack(margins, 1).double().numpy() if trace else None,
-                          torch.stack(entropies, 1).double().numpy() if trace else None)
+                          torch.stack(entropies, 1).double().numpy() if trace else None, control_ms)
 
     def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats) -> list[SeqOutput]:
         """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts; lens: keep + 1,
@@ -215,7 +225,9 @@ class ModelRunner:
                 emitted.append(out)
             row += lens[i]
         acc = np.asarray(accepted, dtype=np.int64)
+        t0 = time.perf_counter()
         self.policy.observe(draft.top_prob[:, :int(keep.max())], keep, acc)
+        stats.control_ms += (time.perf_counter() - t0) * 1e3
         stats.accepted_per_position = [int((acc > j).sum()) for j in range(draft.steps)]
         stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
         outputs = []

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 from cluster.bench.stats import bootstrap_ci, median
 
-ENGINE_COUNTERS = ("steps", "seq_steps", "drafted", "verified", "accepted", "draft_ms", "validate_ms", "dispatch_ms")
+ENGINE_COUNTERS = ("steps", "seq_steps", "drafted", "verified", "accepted", "draft_ms", "validate_ms",
+                   "control_ms", "dispatch_ms")
 OUR_POLICIES = ("nospec", "static", "adaptive", "oracle")
 
 
@@ -106,6 +107,7 @@ class Arm:
                     "verified_per_seq_step": round(c["verified"] / max(seq_steps, 1), 4),
                     "draft_ms_per_step": round(c["draft_ms"] / per_step, 4),
                     "validate_ms_per_step": round(c["validate_ms"] / per_step, 4),
+                    "control_ms_per_step": round(c["control_ms"] / per_step, 4),
                     "dispatch_ms_per_step": round(c["dispatch_ms"] / per_step, 4)}
         if not self.identical:
             out |= {"differing_outputs": self.differing, "first_difference": self.first_difference}

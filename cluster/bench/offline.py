@@ -97,7 +97,8 @@ class EngineArms:
 def _counters(engine: Engine) -> dict:
     st = engine.stats
     return {"drafted": st.drafted, "verified": st.verified, "accepted": st.accepted, "draft_ms": st.draft_ms,
-            "validate_ms": st.validate_ms, "dispatch_ms": st.dispatch_ms, "steps": st.decode_steps,
+            "validate_ms": st.validate_ms, "control_ms": st.control_ms, "dispatch_ms": st.dispatch_ms,
+            "steps": st.decode_steps,
             "decode_seq_ms": st.decode_seq_ms, "decode_tokens": st.decode_tokens}
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 COLUMNS = [("decode_tpot_ms", "decode TPOT ms"), ("acceptance_length", "accept len"),
            ("acceptance_rate", "accept rate"), ("verified_per_seq_step", "verified/seq-step"),
-           ("draft_ms_per_step", "draft ms/step"), ("validate_ms_per_step", "validate ms/step")]
+           ("draft_ms_per_step", "draft ms/step"), ("validate_ms_per_step", "validate ms/step"),
+           ("control_ms_per_step", "control ms/step")]
 COLORS = {"nospec": "black", "static": "tab:blue", "adaptive": "tab:green", "oracle": "tab:gray",
           "hf-target": "tab:purple", "hf-assisted": "tab:purple", "vllm-nospec": "tab:red", "vllm-draft": "tab:red"}
 

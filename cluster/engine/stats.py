@@ -19,6 +19,7 @@ class EngineStats:
     draft_ms: float = 0.0
     validate_ms: float = 0.0
     step_ms: float = 0.0
+    control_ms: float = 0.0  # speculation control on rank 0 (budget, early stop, keep, calibration)
     dispatch_ms: float = 0.0
     draft_steps_run: int = 0  # draft forwards, summed over decode steps
     zero_budget_steps: int = 0  # decode steps that drafted nothing
@@ -38,6 +39,7 @@ class EngineStats:
         self.draft_ms += s.draft_ms
         self.validate_ms += s.validate_ms
         self.step_ms += s.step_ms
+        self.control_ms += s.control_ms
         self.dispatch_ms += dispatch_ms
         for mine, new in ((self.accepted_per_position, s.accepted_per_position),
                           (self.verified_per_position, s.verified_per_position)):
