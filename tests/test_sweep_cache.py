@@ -36,9 +36,10 @@ def test_identity_covers_what_the_timings_depend_on(tmp_path):
     base = sweep.identity(_cfg(tmp_path))
     for override, field in (("speculative.num_speculative_tokens=3", "k"), ("cache.block_size=32", "block_size"),
                             ("parallel.threads_per_worker=2", "threads"), ("model.dtype=bfloat16", "dtype"),
-                            ("speculative.method=draft_model", "proposer")):
+                            ("speculative.method=draft_model", "proposer"), ("engine.max_num_seqs=16", "max_num_seqs")):
         assert field in sweep.stale_fields({"identity": base}, sweep.identity(_cfg(tmp_path, override))), field
-    assert set(base) >= {"target", "proposer", "tp_size", "device", "dtype", "k", "block_size", "threads", "code"}
+    assert set(base) >= {"target", "proposer", "tp_size", "device", "dtype", "k", "block_size", "threads",
+                         "max_num_seqs", "code"}
     assert base["device"] and len(base["code"]) == 16
 
 
@@ -60,3 +61,9 @@ def test_a_matching_cache_is_reused_and_a_stale_one_swept_again(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="adaspec.sweep"):
         sweep.load_or_sweep(ranks, _cfg(tmp_path, "speculative.num_speculative_tokens=3"), progress=False)
     assert ranks.calls > calls and "another code" in caplog.text
+
+
+def test_the_grid_reaches_the_largest_batch():
+    assert sweep.grid_seqs(64) == [1, 4, 16, 64]
+    assert sweep.grid_seqs(32) == [1, 4, 16, 32]
+    assert sweep.grid_seqs(256) == [1, 4, 16, 64, 256] and sweep.grid_seqs(1) == [1]

@@ -24,10 +24,10 @@ from controller.registry import ProfileRegistry, StepSample
 from controller.time_model import FitReport, TimeModel
 
 log = logging.getLogger("adaspec.sweep")
-GRID_SEQS = (1, 4, 16, 32)
+GRID_SEQS_STEP = 4  # sequences: 1, 4, 16, ... up to engine.max_num_seqs (which is swept too)
 GRID_CTX = (64, 384)
 RUNS = 5
-CACHE_FORMAT = 3  # the file's layout and the grid's shape
+CACHE_FORMAT = 4  # the file's layout and the grid's shape
 CODE_PACKAGES = ("models", "workers")  # the code whose speed the timings measure
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def identity(cfg: Config) -> dict:
             "method": spec.method if spec.enabled else None, "tp_size": cfg.parallel.tp_size,
             "device": device_name(cfg.parallel.device), "dtype": cfg.model.dtype,
             "k": spec.num_speculative_tokens, "block_size": cfg.cache.block_size,
-            "threads": cfg.parallel.threads(), "code": code_fingerprint()}
+            "threads": cfg.parallel.threads(), "max_num_seqs": cfg.engine.max_num_seqs, "code": code_fingerprint()}
 
 
 def checkpoint_stamp(path: str) -> list:
@@ -87,17 +87,28 @@ def cache_path(cfg: Config) -> Path:
     return Path(cfg.speculative.adaptive.profile_cache).expanduser() / f"{name}.json"
 
 
+def grid_seqs(max_num_seqs: int) -> list[int]:
+    """Batch sizes the sweep times: powers of GRID_SEQS_STEP up to the engine's largest
+    batch, and that batch (a model fitted only below it extrapolates where it matters)."""
+    seqs, n = [], 1
+    while n < max_num_seqs:
+        seqs.append(n)
+        n *= GRID_SEQS_STEP
+    return seqs + [max_num_seqs]
+
+
 def sweep(workers: WorkerGroup, cfg: Config, progress: bool = True) -> list[StepSample]:
     """Measure the grid on the worker group (all ranks together)."""
     k = cfg.speculative.num_speculative_tokens
     budget = cfg.cache.num_blocks * cfg.cache.block_size
-    points = [(n, q, ctx) for n in GRID_SEQS for ctx in GRID_CTX for q in range(1, k + 2)
+    seqs = grid_seqs(cfg.engine.max_num_seqs)
+    points = [(n, q, ctx) for n in seqs for ctx in GRID_CTX for q in range(1, k + 2)
               if n * (ctx + q + cfg.cache.block_size) <= budget]
     samples = []
     for n, q, ctx in tqdm(points, desc="sweep validate", disable=not progress, mininterval=2):
         samples.append(StepSample(n, n * q, n * q * ctx, workers.validate_ms(n, q, ctx, RUNS), 0, 0.0))
     if cfg.speculative.enabled:
-        for n in tqdm(GRID_SEQS, desc="sweep draft", disable=not progress, mininterval=2):
+        for n in tqdm(seqs, desc="sweep draft", disable=not progress, mininterval=2):
             if n * (GRID_CTX[0] + 2 + cfg.cache.block_size) <= budget:
                 samples.append(StepSample(n, 0, 0, 0.0, 1, workers.draft_step_ms(n, GRID_CTX[0], RUNS)))
     return samples

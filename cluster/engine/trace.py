@@ -13,7 +13,10 @@ A line (n sequences in the step, m draft positions drafted, m <= k):
     draft_steps            m: draft forwards run (the budget, or fewer after an early stop)
     draft_ms, validate_ms  measured on rank 0; predicted_validate_ms is what the time model
                            in force predicted for that validation
+    control_ms             rank 0's time in speculation control (budget, early stop, keep,
+                           calibration), outside draft_ms and validate_ms
     step_ms                the step's wall time on the driver
+    seq[n]                 the engine's id of each sequence (stable over its steps)
     kv[n]                  context length of each sequence before the step
     num_spec[n]            drafts each sequence could verify
     top_prob[n][m]         the draft's top probability at each position
@@ -48,8 +51,10 @@ class TraceWriter:
         line = {"label": self.label, "step": plan.step, "mode": plan.mode, "version": plan.time_model_version,
                 "batch": stats.num_seqs, "probe": t.probe, "draft_steps": stats.draft_steps,
                 "draft_ms": round(stats.draft_ms, 4), "validate_ms": round(stats.validate_ms, 4),
+                "control_ms": round(stats.control_ms, 4),
                 "predicted_validate_ms": round(stats.predicted_validate_ms, 4), "step_ms": round(step_ms, 4),
-                "kv": t.kv, "num_spec": t.num_spec, "top_prob": t.top_prob, "margin": t.margin,
+                "seq": [p.seq_id for p in plan.seqs], "kv": t.kv, "num_spec": t.num_spec, "top_prob": t.top_prob,
+                "margin": t.margin,
                 "entropy": t.entropy, "keep": t.keep, "accepted": t.accepted}
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 

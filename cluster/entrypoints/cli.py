@@ -4,14 +4,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.entrypoints import acceptance, generate, launch, profile
+from cluster.entrypoints import acceptance, generate, launch, profile, simulate
 from cluster.entrypoints import serve as serve_cli
 from cluster.bench import estimators
 from cluster.bench import offline as bench
 from cluster.bench import serving as bench_serve
 
 COMMANDS = {"generate": generate, "bench": bench, "bench-serve": bench_serve, "profile": profile,
-            "acceptance": acceptance, "estimators": estimators, "serve": serve_cli, "launch": launch}
+            "acceptance": acceptance, "estimators": estimators, "serve": serve_cli, "launch": launch,
+            "simulate": simulate}
 
 
 def main(argv: list[str] | None = None) -> int:
