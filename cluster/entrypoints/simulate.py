@@ -3,6 +3,7 @@
     adaspec simulate --trace docs/traces/sharegpt-mtp.jsonl --model yamls/models/deepseek-v3.yaml \\
         --hardware yamls/hardware/ascend-910b.yaml --tp 16 --out out/sim
     adaspec simulate --trace T.jsonl --profile T.jsonl --validate --batches 1,8,32 --out out/sim-cpu
+    adaspec simulate --trace T.jsonl --model M.yaml --hardware H.yaml --tp 8 --poisson 5,20,80 --out out/load
 
 The trace (adaspec bench --record-trace) gives every simulated sequence its draft
 confidences and acceptance per step; the controller (budget, early stop, keep,
@@ -35,6 +36,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="adaspec simulate", description=__doc__,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,6 +64,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--no-control-time", action="store_true",
                    help="leave the controller's own wall time here out of the step times")
     p.add_argument("--validate", action="store_true", help="compare with the decode throughput the trace measured")
+    p.add_argument("--poisson", type=_floats, metavar="RATES",
+                   help="Poisson load instead of waves: request rates (req/s, comma-separated), at most "
+                        "--max-batch sequences at once, --num-seqs requests per arm and rate")
+    p.add_argument("--max-batch", type=int, default=256, help="with --poisson: the engine's largest batch")
     p.add_argument("--out", default="out/sim", help="directory for bench.json, bench.md and bench.png")
     return p
 
@@ -74,6 +89,7 @@ def cost_model(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.sim.load import simulate_load
     from cluster.sim.replay import SimArm, simulate, startup_model
     from cluster.sim.report import summarise, write_outputs
     from cluster.sim.traces import load_pool, measured
@@ -90,19 +106,32 @@ def run(args: argparse.Namespace) -> int:
     spec = cfg.speculative
     spec.enabled, spec.adaptive.enabled = True, True
     spec.num_speculative_tokens = max(args.ks)
-    startup = startup_model(cost, spec, max(args.batches))  # an engine configured for the largest batch
-    arms = [SimArm(p, 0 if p == "nospec" else k, b) for b in args.batches for p in policies
+    poisson = args.poisson is not None
+    if poisson and args.validate:
+        raise ValueError("--validate compares waves with the trace's benchmark: not with --poisson")
+    batches = [args.max_batch] if poisson else args.batches
+    startup = startup_model(cost, spec, max(batches))  # an engine configured for the largest batch
+    arms = [SimArm(p, 0 if p == "nospec" else k, b) for b in batches for p in policies
             for k in ([0] if p == "nospec" else args.ks)]
+    runs = [(arm, rate) for rate in args.poisson for arm in arms] if poisson else [(arm, None) for arm in arms]
     results = []
-    for arm in tqdm(arms, desc="simulate", mininterval=2):
-        results.append(simulate(arm, pool, cost, spec, startup, args.output_len, args.num_seqs, args.seed,
-                                control_time=not args.no_control_time).summary())
-    result = {"simulated": True, "trace": str(args.trace), "cost_model": described, "tp": args.tp,
-              "pool_rows": len(pool), "pool_k": pool.k, "output_len": args.output_len, "num_seqs": args.num_seqs,
-              "seed": args.seed, "arms": results, "summary": summarise(results),
-              "notes": (f"decode throughput only (prefill not simulated); {len(pool)} draft rows from the trace's "
-                        f"static-{pool.k} steps, drawn independently per sequence and step; controller time "
-                        + ("left out" if args.no_control_time else "measured here, added to each step"))}
+    for arm, rate in tqdm(runs, desc="simulate", mininterval=2):
+        if poisson:
+            results.append(simulate_load(arm, rate, pool, cost, spec, startup, args.output_len, args.num_seqs,
+                                         args.seed, control_time=not args.no_control_time))
+        else:
+            results.append(simulate(arm, pool, cost, spec, startup, args.output_len, args.num_seqs, args.seed,
+                                    control_time=not args.no_control_time).summary())
+    result = {"simulated": True, "mode": "poisson" if poisson else "waves", "trace": str(args.trace),
+              "cost_model": described, "tp": args.tp, "pool_rows": len(pool), "pool_k": pool.k,
+              "output_len": args.output_len, "num_seqs": args.num_seqs, "seed": args.seed,
+              "max_batch": max(batches), "arms": results, "summary": {} if poisson else summarise(results),
+              "notes": (("prefill priced as one forward over the admitted prompts" if poisson else
+                         "decode throughput only (prefill not simulated)")
+                        + f"; {len(pool)} draft rows from the trace's static-{pool.k} steps, a simulated sequence "
+                          f"replaying one recorded sequence; controller time "
+                        + ("left out" if args.no_control_time else "as profiled, else measured here")
+                        + "; calibrators warmed on 4,096 verified rows")}
     if args.validate:
         got = measured(args.trace)
         result["validation"] = [

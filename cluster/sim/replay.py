@@ -92,25 +92,49 @@ def simulate(arm: SimArm, pool: DraftPool, cost, spec: SpeculativeConfig, startu
              num_seqs: int, seed: int = 0, control_time: bool = True, warm_rows: int = WARM_ROWS) -> SimResult:
     """Run `arm` over max(num_seqs, batch) sequences (whole waves); startup: (model, sweep
     samples) from startup_model."""
-    if arm.k > pool.k:
-        raise ValueError(f"arm {arm.name} drafts {arm.k} tokens but the trace's static rows have {pool.k}")
-    policy = SpecPolicy(spec)
-    model, sweep_samples = startup
-    registry = ProfileRegistry(spec.adaptive.refit_every, model, sweep_samples, spec.adaptive.time_model)
-    version = policy.install(model)
-    rng = np.random.default_rng(seed)
-    warm(policy, pool, max(arm.k, 1), warm_rows, rng)
-    k = 0 if arm.policy == "nospec" else arm.k
+    run = Run.start(arm, pool, spec, startup, seed, warm_rows)
     out = SimResult(arm)
     waves = -(-max(num_seqs, arm.batch) // arm.batch)
     for _ in range(waves):
-        source = rng.integers(0, len(pool.sizes), arm.batch)  # each sequence replays one recorded sequence
+        source = run.rng.integers(0, len(pool.sizes), arm.batch)  # each sequence replays one recorded sequence
         kv = pool.kv[source].copy()
         left = np.full(arm.batch, output_len - 1, dtype=np.int64)
         while (live := np.flatnonzero(left > 0)).size:
-            rows = pool.draw(source[live], rng)
-            version = _step(policy, registry, version, arm.policy, k, live, kv, left, rows, pool, cost, out, control_time)
+            run.step(live, kv, left, source, cost, out, control_time)
     return out
+
+
+@dataclass
+class Run:
+    """One arm's controller state across its steps: the policy, the registry, the time
+    model in force."""
+
+    arm: SimArm
+    pool: DraftPool
+    policy: SpecPolicy
+    registry: ProfileRegistry
+    version: int
+    rng: np.random.Generator
+
+    @classmethod
+    def start(cls, arm: SimArm, pool: DraftPool, spec: SpeculativeConfig, startup, seed: int,
+              warm_rows: int = WARM_ROWS) -> "Run":
+        if arm.k > pool.k:
+            raise ValueError(f"arm {arm.name} drafts {arm.k} tokens but the trace's static rows have {pool.k}")
+        policy = SpecPolicy(spec)
+        model, sweep_samples = startup
+        registry = ProfileRegistry(spec.adaptive.refit_every, model, sweep_samples, spec.adaptive.time_model)
+        run = cls(arm, pool, policy, registry, policy.install(model), np.random.default_rng(seed))
+        warm(policy, pool, max(arm.k, 1), warm_rows, run.rng)
+        return run
+
+    def step(self, live, kv, left, source, cost, out: SimResult, control_time: bool) -> float:
+        """One decode step of the sequences `live` (indices into kv, left, source); returns its ms."""
+        k = 0 if self.arm.policy == "nospec" else self.arm.k
+        before = out.ms
+        self.version = _step(self.policy, self.registry, self.version, self.arm.policy, k, live, kv, left,
+                             self.pool.draw(source[live], self.rng), self.pool, cost, out, control_time)
+        return out.ms - before
 
 
 def warm(policy: SpecPolicy, pool: DraftPool, k: int, rows: int, rng: np.random.Generator) -> None:

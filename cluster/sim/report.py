@@ -38,7 +38,29 @@ def summarise(arms: list[dict]) -> dict:
     return {"adaptive": rows, "crossover": crossover}
 
 
+LOAD_COLUMNS = [("tpot_p50_ms", "TPOT p50 ms"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+                ("mean_batch", "mean batch"), ("acceptance_length", "accept len"),
+                ("verified_per_seq_step", "verified/seq-step")]
+
+
+def markdown_load(result: dict) -> str:
+    """Poisson load: per arm and rate, throughput (prefill included) and latency."""
+    lines = [f"Simulated Poisson load (trace replay through the project's own controller): trace "
+             f"`{result['trace']}`, cost model: {result['cost_model']}; at most {result['max_batch']} sequences "
+             f"at once, {result['num_seqs']} requests of {result['output_len']} tokens per arm and rate.", "",
+             "| arm | rate req/s | tok/s | vs nospec | " + " | ".join(h for _, h in LOAD_COLUMNS) + " |",
+             "|" + "---|" * (len(LOAD_COLUMNS) + 4)]
+    nospec = {a["rate"]: a["tok_per_s"] for a in result["arms"] if a["policy"] == "nospec"}
+    for a in result["arms"]:
+        ratio = f"{a['tok_per_s'] / nospec[a['rate']]:.3f}" if a["rate"] in nospec else ""
+        lines.append(f"| {a['name'].split('@')[0]} | {a['rate']:g} | {a['tok_per_s']} | {ratio} | "
+                     + " | ".join(str(a.get(key, "")) for key, _ in LOAD_COLUMNS) + " |")
+    return "\n".join(lines + ["", f"- {result['notes']}"]) + "\n"
+
+
 def markdown(result: dict) -> str:
+    if result.get("mode") == "poisson":
+        return markdown_load(result)
     lines = [f"Simulated (trace replay through the project's own controller): trace `{result['trace']}`, "
              f"cost model: {result['cost_model']}.", "",
              "| arm | batch | decode tok/s | vs nospec | " + " | ".join(h for _, h in COLUMNS)
@@ -72,6 +94,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    if result.get("mode") == "poisson":
+        return plot_load(result, path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,3 +131,31 @@ def write_outputs(result: dict, out: Path) -> None:
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.md").write_text(markdown(result))
     plot(result, out / "bench.png")
+
+
+def plot_load(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cluster.bench.report import COLORS
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    styles = {"3": ":", "5": "--", "7": "-"}
+    for name in sorted({a["name"].split("@")[0] for a in result["arms"]}):
+        pts = sorted((a["rate"], a["tok_per_s"], a["tpot_p50_ms"]) for a in result["arms"]
+                     if a["name"].split("@")[0] == name)
+        policy, _, k = name.partition("-")
+        kw = dict(color=COLORS.get(policy, "tab:orange"), ls=styles.get(k, "-"), marker="o", ms=3, label=name)
+        axes[0].plot([r for r, _, _ in pts], [t for _, t, _ in pts], **kw)
+        axes[1].plot([r for r, _, _ in pts], [m for _, _, m in pts], **kw)
+    for ax, title in zip(axes, ("output tok/s", "TPOT p50 ms")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"simulated Poisson load: {result['cost_model']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
