@@ -109,7 +109,7 @@ class SpecPolicy:
 
     def draft_budget(self, k: int) -> int:
         """How many draft steps to run: the m in 0..k that maximises the estimated
-        throughput n (1 + a_1 + .. + a_m) / (m T_step + T_val) when every sequence has the
+        throughput n (1 + a_1 + .. + a_m) / (T_draft(m) + T_val + T_other) when every sequence has the
         calibrated acceptance of each position and the batch's mean context (O(k) scalar
         arithmetic, the same on every rank). 0 means a plain decode step."""
         c = self.ctx
@@ -118,12 +118,12 @@ class SpecPolicy:
         tm, n = c.model, len(c.kv)
         kv_ms = tm.b2 * float(c.kv.sum())  # one validated token per sequence: context cost of the batch
         f = self._f(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        draft_ms, rates = tm.draft_step_ms(n), self._rates
+        rates = self._rates
         best_m, best, expected, path = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
         for m in range(1, k + 1):
             path *= rates[m - 1]
             expected += path
-            theta = expected / (tm.other_ms(n * expected) + m * draft_ms + f[m] + (m + 1) * kv_ms)
+            theta = expected / (tm.other_ms(n * expected) + tm.draft_ms(n, m) + f[m] + (m + 1) * kv_ms)
             if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay
@@ -144,7 +144,7 @@ class SpecPolicy:
         n = len(c.kv)
         cols = self._estimates(top_prob)
         conf = _matrix(cols + [[1.0] * n if isinstance(cols[0], list) else np.ones(n)])
-        draft_ms = (j + 1) * c.model.draft_step_ms(n)  # predicted, never measured: same on every rank
+        draft_ms = c.model.draft_ms(n, j + 1)  # predicted, never measured: same on every rank
         keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep, refine=False)
         return bool(keep.max() > j)
 
@@ -162,7 +162,7 @@ class SpecPolicy:
             small = n * c.kmax <= SMALL  # one conversion to Python for small batches
             cols = [list(col) for col in zip(*top_prob.tolist())] if small else [top_prob[:, j] for j in range(m)]
             conf = _matrix(self._estimates(cols))
-        draft_ms = m * c.model.draft_step_ms(n)
+        draft_ms = c.model.draft_ms(n, m)
         keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
         if c.probe:  # a rotating share of sequences verifies everything drafted
             chosen = (np.arange(len(keep)) + self.probes) % PROBE_SHARE == 0

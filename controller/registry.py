@@ -87,10 +87,11 @@ class ProfileRegistry:
         val = np.array([s.validate_ms for s in validated])
         drafted = [s for s in data if s.draft_steps > 0]
         draft_n = np.array([s.num_seqs for s in drafted], dtype=np.float64)
-        draft_ms = np.array([s.draft_ms / s.draft_steps for s in drafted])
+        draft_ms = np.array([s.draft_ms for s in drafted])
+        draft_steps = np.array([s.draft_steps for s in drafted], dtype=np.float64)
         timed = [s for s in data if s.other_ms > 0 and s.emitted > 0]
         other = (np.array([s.emitted for s in timed], dtype=np.float64), np.array([s.other_ms for s in timed]))
-        report = fit(rows, val, draft_n, draft_ms, self.model.version + 1, self.kind, other)
+        report = fit(rows, val, draft_n, draft_ms, self.model.version + 1, self.kind, other, draft_steps)
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()
         return report

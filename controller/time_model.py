@@ -1,7 +1,9 @@
 """The validate- and draft-time models and their least-squares fits.
 
     T_val = f(Q) + b2 * sum_i q_i * kv_i        (ms), Q = sum_i q_i
-    T_draft = g(n)                               (ms per draft step, n sequences)
+    T_draft = d_first + m g(n)                   (ms for m >= 1 draft steps of n sequences; the
+                                                  first step also catches the draft up on the
+                                                  tokens accepted last step)
     T_other = o0 + o1 E                          (ms per step, E tokens emitted: scheduling,
                                                   sampling, accepting, detokenizing, storing)
 
@@ -42,6 +44,7 @@ class TimeModel:
     b2: float = 0.0  # ms per validated token per context token
     d0: float = 0.5  # ms per draft step
     d1: float = 0.01  # ms per draft step per sequence
+    d_first: float = 0.0  # ms a step's first draft step costs beyond the others (MTP catches up on accepted tokens)
     o0: float = 0.0  # ms per step outside drafting and validation
     o1: float = 0.0  # ... per emitted token
     # the table kind (empty: linear): f at q_knots, g at n_knots
@@ -72,9 +75,14 @@ class TimeModel:
         return self.o0 + self.o1 * emitted
 
     def draft_step_ms(self, n: int) -> float:
+        """g(n): one more draft step for n sequences."""
         if self.n_knots:
             return float(piecewise(n, self.n_knots, self.n_ms))
         return self.d0 + self.d1 * n
+
+    def draft_ms(self, n: int, steps: int) -> float:
+        """`steps` draft steps for n sequences: d_first + steps g(n) (nothing for none)."""
+        return self.d_first + steps * self.draft_step_ms(n) if steps > 0 else 0.0
 
 
 def piecewise(x, knots, values):
@@ -148,38 +156,55 @@ KINDS = ("table", "linear")  # controller.config.TIME_MODELS
 
 
 def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms: np.ndarray,
-        version: int, kind: str = "linear", other: tuple[np.ndarray, np.ndarray] | None = None) -> FitReport:
-    """rows: (m, 3) features [1, Q, sum q*kv] of validate steps; draft_n / draft_ms: draft
-    steps' batch sizes and times per draft step; other: (tokens emitted, ms) of the rest of
-    measured steps. MAE and MAPE are over the validate points the fit kept."""
-    report = _fit_validate_and_draft(rows, validate_ms, draft_n, draft_ms, version, kind)
+        version: int, kind: str = "linear", other: tuple[np.ndarray, np.ndarray] | None = None,
+        draft_steps: np.ndarray | None = None) -> FitReport:
+    """rows: (m, 3) features [1, Q, sum q*kv] of validate steps; draft_n / draft_ms /
+    draft_steps: batch size, time and number of draft steps of steps that drafted (steps
+    omitted: times per single step); other: (tokens emitted, ms) of the rest of measured
+    steps. MAE and MAPE are over the validate points the fit kept."""
+    report = _fit_validate(rows, validate_ms, version, kind)
+    report = dataclasses.replace(report, model=_fit_draft(report.model, draft_n, draft_ms, draft_steps, kind))
     if other is not None and len(other[0]) >= 2:
         o = line_fit(*other)
         report = dataclasses.replace(report, model=dataclasses.replace(report.model, o0=float(o[0]), o1=float(o[1])))
     return report
 
 
-def _fit_validate_and_draft(rows, validate_ms, draft_n, draft_ms, version: int, kind: str) -> FitReport:
+def _fit_validate(rows, validate_ms, version: int, kind: str) -> FitReport:
     if kind not in KINDS:
         raise ValueError(f"unknown time model kind {kind!r}; expected one of {KINDS}")
     if kind == "table":
         knots = doubling_knots(rows[:, 1])
         b, kept = robust_nonneg_lstsq(np.column_stack([ramps(rows[:, 1], knots), rows[:, 2]]), validate_ms)
         table = dict(q_knots=tuple(knots), q_ms=tuple(knot_values(b[:-1], knots)), b2=float(b[-1]))
-        if len(draft_n) >= 2:
-            n_knots = doubling_knots(draft_n)
-            g = robust_nonneg_lstsq(ramps(draft_n, n_knots), draft_ms)[0]
-            table.update(n_knots=tuple(n_knots), n_ms=tuple(knot_values(g, n_knots)))
         model = TimeModel(version, **table)
         pred = model.q_ms_at(rows[kept, 1]) + model.b2 * rows[kept, 2]
     else:
         b, kept = robust_nonneg_lstsq(rows, validate_ms)
-        d = line_fit(draft_n, draft_ms) if len(draft_n) >= 2 else np.array([0.5, 0.01])
-        model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]), float(d[0]), float(d[1]))
+        model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]))
         pred = rows[kept] @ b
     err = np.abs(pred - validate_ms[kept])
     return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms[kept], 1e-6)).mean()),
                      int(kept.sum()))
+
+
+def _fit_draft(model: TimeModel, n: np.ndarray, ms: np.ndarray, steps: np.ndarray | None, kind: str) -> TimeModel:
+    """d_first + m g(n) on steps that drafted m >= 1 times (g a line, or for the table kind
+    non-decreasing piecewise linear over n). While every step drafted once (the startup
+    sweep) the first step's extra cannot be told apart: d_first stays 0."""
+    n, ms = np.asarray(n, dtype=np.float64), np.asarray(ms, dtype=np.float64)
+    if len(n) < 2:
+        return model  # too little to fit: the defaults
+    m = np.ones_like(n) if steps is None else np.asarray(steps, dtype=np.float64)
+    base = ramps(n, doubling_knots(n)) if kind == "table" else np.stack([np.ones_like(n), n], 1)
+    several = len(np.unique(m)) > 1
+    x = np.column_stack(([np.ones_like(n)] if several else []) + [base * m[:, None]])
+    coef = robust_nonneg_lstsq(x, ms)[0]
+    first, g = (float(coef[0]), coef[1:]) if several else (0.0, coef)
+    if kind == "table":
+        knots = doubling_knots(n)
+        return dataclasses.replace(model, d_first=first, n_knots=tuple(knots), n_ms=tuple(knot_values(g, knots)))
+    return dataclasses.replace(model, d_first=first, d0=float(g[0]), d1=float(g[1]))
 
 
 def doubling_knots(x: np.ndarray) -> np.ndarray:

@@ -126,3 +126,25 @@ def test_the_rest_of_a_step_is_fitted_from_online_steps():
     reg.add(online)
     m = reg.refit().model
     assert abs(m.other_ms(1) - 0.45) < 0.01 and abs(m.other_ms(64) - 9.9) < 0.05
+
+
+def test_the_first_draft_step_is_told_apart_once_steps_draft_more_than_once():
+    """A step's first draft step also catches the draft up on the accepted tokens: draft
+    time is d_first + m g(n). The sweep drafts once (0.5 + 0.01 n: d_first cannot be told
+    apart, 0); online steps drafting 1..5 times separate it, for both kinds."""
+    rng = np.random.default_rng(3)
+    sweep = _samples(rng, 30)
+    for kind in ("linear", "table"):
+        reg = ProfileRegistry(refit_every=1000, initial=TimeModel(version=1), kind=kind)
+        reg.seed(sweep)
+        assert reg.model.d_first == 0.0
+        online = []
+        for s in _samples(rng, 200):
+            m = int(rng.integers(1, 6))
+            online.append(StepSample(s.num_seqs, s.q_tokens, s.kv_tokens, s.validate_ms, m,
+                                     0.25 + m * (0.25 + 0.01 * s.num_seqs), 0.3, s.num_seqs))
+        reg.add(online)
+        model = reg.refit().model
+        assert abs(model.d_first - 0.25) < 0.03, kind
+        assert abs(model.draft_ms(8, 3) - (0.25 + 3 * 0.33)) < 0.05, kind
+        assert model.draft_ms(8, 0) == 0.0

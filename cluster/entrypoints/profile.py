@@ -23,9 +23,9 @@ def describe(m: TimeModel) -> str:
         f = ", ".join(f"{q:g}: {ms:.3f}" for q, ms in zip(m.q_knots, m.q_ms))
         g = ", ".join(f"{n:g}: {ms:.3f}" for n, ms in zip(m.n_knots, m.n_ms)) or "none measured"
         return (f"T_val = f(sum q) + {m.b2:.2e} * sum q*kv  ms, f at sum q = {{{f}}}\n"
-                f"T_draft = g(n) ms per draft step, g at n = {{{g}}}")
+                f"T_draft = {m.d_first:.3f} + m g(n) ms for m draft steps, g at n = {{{g}}}")
     return (f"T_val = {m.b0:.3f} + {m.b1:.4f} * sum q + {m.b2:.2e} * sum q*kv  ms\n"
-            f"T_draft = {m.d0:.3f} + {m.d1:.4f} * n  ms per draft step")
+            f"T_draft = {m.d_first:.3f} + m ({m.d0:.3f} + {m.d1:.4f} * n)  ms for m draft steps")
 
 
 def plot(samples: list[StepSample], model: TimeModel, path: Path) -> None:
