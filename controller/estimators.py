@@ -3,8 +3,8 @@
   top_prob             the draft's top probability at position j
   top_prob_calibrated  the same through an online per-position calibrator: observed
                        acceptance per (position, bucket of top probability)
-  top_prob_logistic    an online per-position logistic model on (log p, log(1 - p)) of
-                       the top probability (default: best log-loss on recorded traces)
+  top_prob_logistic    an online per-position logistic model on the top probability p and
+                       the margin p - p2 to the second largest (default)
   token_prob           the draft's probability of the token it drafted (xLLM's choice)
 
 The top_prob estimators depend on the draft distribution at j but not on the token drawn
@@ -84,44 +84,54 @@ EPS = 1e-4
 
 
 class LogisticCalibrator:
-    """P(accept) = sigmoid(w_j . [1, log p, log(1 - p)]) per position j, starting at the raw
-    top probability (w = [0, 1, -1]). Fitted online by Newton steps: each step adds its
-    drafts' curvature to a running (k, 3, 3) matrix and moves w by its inverse times the
-    step's gradient of the log-loss (a second-order fit: a few hundred drafts suffice, where
-    gradient steps on these unscaled features were slow and unstable). Float64 operations in
-    a fixed order on inputs every rank holds identically, so every rank's weights agree."""
+    """P(accept) = sigmoid(w_j . [1, log p, log(1 - p), log(p - p2)]) per position j, p and
+    p2 the draft's two largest probabilities there. The margin p - p2 raised the held-out
+    AUC from 0.78 to 0.85 and cut the log-loss from 0.45 to 0.40 (batch fits on half of
+    8,038 fully verified static-7 rows of a recorded trace, scored on the rest; the entropy
+    and the path's log probability added nothing next to it). Starts at the raw top
+    probability (w = [0, 1, -1, 0]). Fitted online by Newton steps: each batch of outcomes
+    adds its drafts' curvature to a running (k, 4, 4) matrix and moves w by its inverse times
+    the batch's gradient of the log-loss (a second-order fit: a few hundred drafts suffice,
+    where gradient steps on these unscaled features were slow and unstable). Float64
+    operations in a fixed order on inputs every rank holds identically, so every rank's
+    weights agree."""
+
+    WIDTH = 4
 
     def __init__(self, k: int):
-        self.w = np.tile(np.array([0.0, 1.0, -1.0]), (k, 1))
-        self.h = np.tile(np.eye(3) * PRIOR_PRECISION, (k, 1, 1))
+        self.w = np.tile(np.array([0.0, 1.0, -1.0, 0.0]), (k, 1))
+        self.h = np.tile(np.eye(self.WIDTH) * PRIOR_PRECISION, (k, 1, 1))
         self._w = self.w.tolist()  # the weights as Python floats (estimate_column's small path)
 
     @staticmethod
-    def features(top_prob: np.ndarray) -> np.ndarray:
+    def features(top_prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
+        """Top probabilities and margins (same shape) -> features, one more axis of 4."""
         p = np.clip(np.asarray(top_prob, dtype=np.float64), EPS, 1 - EPS)
-        return np.stack([np.ones_like(p), np.log(p), np.log1p(-p)], axis=-1)  # (n, k', 3)
+        m = np.clip(np.asarray(margin, dtype=np.float64), EPS, 1.0)
+        return np.stack([np.ones_like(p), np.log(p), np.log1p(-p), np.log(m)], axis=-1)
 
-    def estimate(self, top_prob: np.ndarray) -> np.ndarray:
-        x = self.features(top_prob)
+    def estimate(self, top_prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
+        """(n, k') of positions 0..k'-1 -> (n, k') estimates."""
+        x = self.features(top_prob, margin)
         z = (x * self.w[None, : x.shape[1]]).sum(-1)
         return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
-    def estimate_column(self, top_prob: list[float] | np.ndarray, j: int) -> list[float] | np.ndarray:
-        """Position j's estimates for one column of top probabilities: plain Python for a
-        list (a few values: numpy's per-call cost would dominate), vectorised for an array."""
+    def estimate_column(self, top_prob, margin, j: int):
+        """Position j's estimates for one column: plain Python for lists (a few values:
+        numpy's per-call cost would dominate), vectorised for arrays."""
         if not isinstance(top_prob, list):
-            p = np.clip(np.asarray(top_prob, dtype=np.float64), EPS, 1 - EPS)
-            z = self.w[j, 0] + self.w[j, 1] * np.log(p) + self.w[j, 2] * np.log1p(-p)
-            return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
-        w0, w1, w2 = self._w[j]
+            x = self.features(top_prob, margin)
+            return 1.0 / (1.0 + np.exp(-np.clip(x @ self.w[j], -60.0, 60.0)))
+        w0, w1, w2, w3 = self._w[j]
         out = []
-        for p in top_prob:
-            p = min(max(p, EPS), 1 - EPS)
-            z = min(max(w0 + w1 * math.log(p) + w2 * math.log1p(-p), -60.0), 60.0)
+        for p, m in zip(top_prob, margin):
+            p, m = min(max(p, EPS), 1 - EPS), min(max(m, EPS), 1.0)
+            z = min(max(w0 + w1 * math.log(p) + w2 * math.log1p(-p) + w3 * math.log(m), -60.0), 60.0)
             out.append(1.0 / (1.0 + math.exp(-z)))
         return out
 
-    def update(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray, steps: int = 1) -> None:
+    def update(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
+               steps: int = 1) -> None:
         """Outcomes of `steps` steps at once (their old evidence fades `steps` times). Only
         the trials enter the sums (per position, by bincount: linear in the trials)."""
         n, k = np.asarray(top_prob).shape
@@ -131,26 +141,27 @@ class LogisticCalibrator:
         rows, pos = np.nonzero(trial)
         if not len(rows):
             return
-        x = self.features(np.asarray(top_prob)[rows, pos])  # (T, 3)
+        x = self.features(np.asarray(top_prob)[rows, pos], np.asarray(margin)[rows, pos])  # (T, 4)
         p = 1.0 / (1.0 + np.exp(-np.clip((x * self.w[pos]).sum(-1), -60.0, 60.0)))
         residual, weight = hit[rows, pos] - p, p * (1 - p)
-        grad = np.stack([np.bincount(pos, residual * x[:, a], minlength=k) for a in range(3)], axis=-1)  # (k, 3)
-        curvature = np.empty((k, 3, 3))
-        for a in range(3):
-            for b in range(a, 3):
+        width = self.WIDTH
+        grad = np.stack([np.bincount(pos, residual * x[:, a], minlength=k) for a in range(width)], axis=-1)
+        curvature = np.empty((k, width, width))
+        for a in range(width):
+            for b in range(a, width):
                 curvature[:, a, b] = curvature[:, b, a] = np.bincount(pos, weight * x[:, a] * x[:, b], minlength=k)
         self.h[:k] = FORGET ** steps * self.h[:k] + curvature
         self.w[:k] += np.linalg.solve(self.h[:k], grad[..., None])[..., 0]
         self._w = self.w.tolist()
 
 
-def confidence(estimator: str, top_prob: np.ndarray, token_prob: np.ndarray,
+def confidence(estimator: str, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
                calibrator: Calibrator | None, logistic: LogisticCalibrator | None = None) -> np.ndarray:
     """(n, k) acceptance estimates for the chosen estimator."""
     if estimator == "top_prob":
         return top_prob
     if estimator == "top_prob_logistic":
-        return logistic.estimate(top_prob)
+        return logistic.estimate(top_prob, margin)
     if estimator == "token_prob":
         return token_prob
     if estimator == "top_prob_calibrated":

@@ -54,7 +54,7 @@ class SpecPolicy:
         self.probe_every = PROBE_EVERY
         self.last_probe = -PROBE_EVERY  # the first adaptive step probes
         self.ctx: StepContext | None = None
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # outcomes not yet in the calibrators
+        self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted) not yet in the calibrators
         self._observed = 0
         self._rates = self.calibrator.position_rates().tolist()  # per draft position, as of the last batch
         self._f_cache: dict[tuple, tuple] = {}  # f values a time model gives a batch size (see _f)
@@ -131,9 +131,9 @@ class SpecPolicy:
             return min(k, best_m + 1)
         return best_m
 
-    def keep_drafting(self, top_prob: list[np.ndarray], tokens: list[np.ndarray]) -> bool:
-        """After j draft steps (top_prob, tokens: j columns of (n,)), is draft j+1 worth
-        drafting? adaptive: only if some sequence would keep it even with confidence 1;
+    def keep_drafting(self, top_prob: list[np.ndarray], margin: list[np.ndarray], tokens: list[np.ndarray]) -> bool:
+        """After j draft steps (top_prob, margin, tokens: j columns of (n,)), is draft j+1
+        worth drafting? adaptive: only if some sequence would keep it even with confidence 1;
         oracle: only if some sequence still matches the reference."""
         c = self.ctx
         j = len(top_prob)
@@ -142,14 +142,15 @@ class SpecPolicy:
         if c.mode != "adaptive" or c.probe or not self.cfg.adaptive.early_stop:
             return True
         n = len(c.kv)
-        cols = self._estimates(top_prob)
+        cols = self._estimates(top_prob, margin)
         conf = _matrix(cols + [[1.0] * n if isinstance(cols[0], list) else np.ones(n)])
         draft_ms = c.model.draft_ms(n, j + 1)  # predicted, never measured: same on every rank
         keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep, refine=False)
         return bool(keep.max() > j)
 
-    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, tokens: np.ndarray | None) -> np.ndarray:
-        """(n,) drafts each sequence validates; top_prob, token_prob, tokens: (n, m)."""
+    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
+             tokens: np.ndarray | None) -> np.ndarray:
+        """(n,) drafts each sequence validates; top_prob, token_prob, margin, tokens: (n, m)."""
         c = self.ctx
         n, m = top_prob.shape
         if c.mode == "oracle":
@@ -160,8 +161,7 @@ class SpecPolicy:
             conf = token_prob
         else:
             small = n * c.kmax <= SMALL  # one conversion to Python for small batches
-            cols = [list(col) for col in zip(*top_prob.tolist())] if small else [top_prob[:, j] for j in range(m)]
-            conf = _matrix(self._estimates(cols))
+            conf = _matrix(self._estimates(_columns(top_prob, small), _columns(margin, small)))
         draft_ms = c.model.draft_ms(n, m)
         keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
         if c.probe:  # a rotating share of sequences verifies everything drafted
@@ -195,7 +195,7 @@ class SpecPolicy:
         return np.cumprod(match, axis=1).sum(axis=1)
 
     # ------------------------------------------------------------------ estimates
-    def _estimates(self, top_prob: list[np.ndarray]) -> list:
+    def _estimates(self, top_prob: list, margin: list) -> list:
         """Acceptance estimates of the step's draft positions, one column each, computed
         once per position and step (the calibrators change only between steps); Python
         lists for small batches, arrays for large ones. token_prob's early stop uses the
@@ -206,27 +206,29 @@ class SpecPolicy:
         small = len(c.kv) * c.kmax <= SMALL
         est = self.cfg.adaptive.estimator
         for j in range(len(c.conf), len(top_prob)):
-            col = top_prob[j]
+            col, m = top_prob[j], margin[j]
             if small != isinstance(col, list):
                 col = col.tolist() if small else np.asarray(col, dtype=np.float64)
             if est == "top_prob_logistic":
-                col = self.logistic.estimate_column(col, j)
+                if small != isinstance(m, list):
+                    m = m.tolist() if small else np.asarray(m, dtype=np.float64)
+                col = self.logistic.estimate_column(col, m, j)
             elif est == "top_prob_calibrated":
                 col = self.calibrator.estimate(np.asarray(col, dtype=np.float64)[:, None], start=j)[:, 0]
                 col = col.tolist() if small else col
             c.conf.append(col)
         return c.conf[:len(top_prob)]
 
-    def confidence(self, top_prob: np.ndarray, token_prob: np.ndarray) -> np.ndarray:
+    def confidence(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
         self._flush()
-        return confidence(self.cfg.adaptive.estimator, top_prob, token_prob, self.calibrator, self.logistic)
+        return confidence(self.cfg.adaptive.estimator, top_prob, token_prob, margin, self.calibrator, self.logistic)
 
-    def observe(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
-        """Validation outcomes (top_prob: (n, m) of the drafts that could be verified).
+    def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """Validation outcomes (top_prob, margin: (n, m) of the drafts that could be verified).
         They reach the calibrators every OBSERVE_EVERY steps, as one batch: one fixed cost
         per batch instead of per step, and the same batches on every rank."""
         if top_prob.shape[1]:
-            self._pending.append((top_prob, verified, accepted))
+            self._pending.append((top_prob, margin, verified, accepted))
         self._observed += 1
         if self._observed % OBSERVE_EVERY == 0:
             self._flush()
@@ -234,22 +236,29 @@ class SpecPolicy:
     def _flush(self) -> None:
         if not self._pending:
             return
-        width = max(t.shape[1] for t, _, _ in self._pending)
-        top = np.zeros((sum(len(t) for t, _, _ in self._pending), width))
+        width = max(t.shape[1] for t, *_ in self._pending)
+        rows = sum(len(t) for t, *_ in self._pending)
+        top, margin = np.zeros((rows, width)), np.ones((rows, width))
         row = 0
-        for t, _, _ in self._pending:
+        for t, m, _, _ in self._pending:
             top[row:row + len(t), :t.shape[1]] = t  # past a step's width nothing was verified
+            margin[row:row + len(t), :t.shape[1]] = m
             row += len(t)
-        verified = np.concatenate([v for _, v, _ in self._pending])
-        accepted = np.concatenate([a for _, _, a in self._pending])
+        verified = np.concatenate([v for _, _, v, _ in self._pending])
+        accepted = np.concatenate([a for *_, a in self._pending])
         steps = len(self._pending)
         self._pending = []
         self.calibrator.update(top, verified, accepted)
         if self.cfg.adaptive.estimator == "top_prob_logistic":
-            self.logistic.update(top, verified, accepted, steps=steps)
+            self.logistic.update(top, margin, verified, accepted, steps=steps)
         self._rates = self.calibrator.position_rates().tolist()
 
 
 def _matrix(cols: list) -> list[list[float]] | np.ndarray:
     """Columns (Python lists for small batches, arrays otherwise) -> rows, as the decision takes them."""
     return [list(row) for row in zip(*cols)] if isinstance(cols[0], list) else np.stack(cols, 1)
+
+
+def _columns(a: np.ndarray, small: bool) -> list:
+    """(n, m) -> m columns: Python lists for small batches (one conversion), array views otherwise."""
+    return [list(col) for col in zip(*a.tolist())] if small else [a[:, j] for j in range(a.shape[1])]

@@ -24,7 +24,7 @@ def _trace(path, steps=400, seed=0):
                     a += 1
                 accepted.append(a)
             f.write(json.dumps({"label": "static-3/r0", "draft_steps": 3, "keep": [3] * 4, "accepted": accepted,
-                                "top_prob": top.tolist()}) + "\n")
+                                "top_prob": top.tolist(), "margin": (top / 3).round(4).tolist()}) + "\n")
 
 
 def test_auc_equals_pairwise_count():

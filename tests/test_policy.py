@@ -47,14 +47,33 @@ def test_logistic_learns_an_under_confident_draft():
 
     rng = np.random.default_rng(0)
     cal = LogisticCalibrator(k=2)
-    top = np.array([[0.05, 0.6]])
-    assert np.allclose(cal.estimate(top), top)  # it starts at the raw probability
+    top, margin = np.array([[0.05, 0.6]]), np.array([[0.01, 0.3]])
+    assert np.allclose(cal.estimate(top, margin), top)  # it starts at the raw probability
     for _ in range(400):
         first = rng.random() < 0.9
         accepted = (1 + (rng.random() < 0.2)) if first else 0
-        cal.update(top, np.array([2]), np.array([accepted]))
-    est = cal.estimate(top)[0]
+        cal.update(top, margin, np.array([2]), np.array([accepted]))
+    est = cal.estimate(top, margin)[0]
     assert abs(est[0] - 0.9) < 0.05 and abs(est[1] - 0.2) < 0.07
+
+
+def test_logistic_tells_drafts_apart_by_their_margin():
+    """Same top probability, different margins to the second choice: a wide margin is
+    accepted 85% of the time, a narrow one 25%. Top probability alone cannot tell them
+    apart; with the margin the fit ranks them."""
+    from controller.estimators import LogisticCalibrator
+
+    rng = np.random.default_rng(1)
+    cal = LogisticCalibrator(k=1)
+    top = np.full((64, 1), 0.4)
+    for _ in range(60):
+        margin = np.where(rng.random((64, 1)) < 0.5, 0.3, 0.01)
+        accepted = (rng.random(64) < np.where(margin[:, 0] > 0.1, 0.85, 0.25)).astype(np.int64)
+        cal.update(top, margin, np.ones(64, dtype=np.int64), accepted)
+    wide, narrow = cal.estimate(top[:2], np.array([[0.3], [0.01]]))[:, 0]
+    assert abs(wide - 0.85) < 0.05 and abs(narrow - 0.25) < 0.05
+    column = cal.estimate_column([0.4, 0.4], [0.3, 0.01], 0)  # the small path agrees with the array one
+    assert np.allclose(column, [wide, narrow], atol=1e-12)
 
 
 def _policy(k: int = 4) -> SpecPolicy:
@@ -74,7 +93,7 @@ def _teach(policy: SpecPolicy, rate: float, k: int = 4) -> None:
         accepted = 0
         while accepted < k and rng.random() < rate:
             accepted += 1
-        policy.observe(np.full((1, k), 0.5), np.array([k]), np.array([accepted]))
+        policy.observe(np.full((1, k), 0.5), np.full((1, k), 0.2), np.array([k]), np.array([accepted]))
 
 
 def test_draft_budget_follows_acceptance_and_cost():

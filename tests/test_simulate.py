@@ -41,8 +41,8 @@ def _spec(k: int = 3) -> SpeculativeConfig:
 
 def _pool(accepted: list[int], k: int = 3, top: float = 0.9) -> DraftPool:
     n = len(accepted)
-    return DraftPool(np.full((n, k), top), np.array(accepted), np.arange(n), np.ones(n, dtype=np.int64),
-                     np.full(n, 100), "synthetic")
+    return DraftPool(np.full((n, k), top), np.full((n, k), top / 2), np.array(accepted), np.arange(n),
+                     np.ones(n, dtype=np.int64), np.full(n, 100), "synthetic")
 
 
 def _run(arm: SimArm, pool: DraftPool, cost, output_len: int = 9, seqs: int = 4) -> dict:
@@ -54,6 +54,7 @@ def _line(mode: str, steps: int, keep: list[int], accepted: list[int], seq: list
     n = len(keep)
     return json.dumps({"label": label, "mode": mode, "batch": n, "draft_steps": steps, "keep": keep,
                        "accepted": accepted, "seq": seq, "kv": [50] * n, "top_prob": [[0.5] * steps] * n,
+                       "margin": [[0.2] * steps] * n,
                        "draft_ms": 1.0, "validate_ms": 2.0, "step_ms": 3.5, "control_ms": 0.1})
 
 

@@ -31,7 +31,7 @@ class DraftBlock:
     token_prob: np.ndarray  # (n, m) the draft's probability of the drafted token
     steps: int  # draft forwards run: m <= k (the budget, or fewer after an early stop)
     q: dict[int, torch.Tensor]  # sampled sequence index -> (m, V) distributions its drafts were drawn from
-    margin: np.ndarray | None = None  # (n, m) top-1 minus top-2 probability (step traces only)
+    margin: np.ndarray | None = None  # (n, m) top-1 minus top-2 probability
     entropy: np.ndarray | None = None  # (n, m) entropy of the draft distribution, nats (step traces only)
     control_ms: float = 0.0  # time spent deciding whether to draft on (the early stop)
 
@@ -133,7 +133,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         draft = self._draft(seqs, [p.sampling for p in plan.seqs], budget, plan.trace)
         t2 = time.perf_counter()
-        keep = self.policy.keep(draft.top_prob, draft.token_prob, draft.tokens.numpy())  # (n,) numpy
+        keep = self.policy.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens.numpy())  # (n,) numpy
         t3 = time.perf_counter()
         stats.draft_ms = (t2 - t1) * 1e3 - draft.control_ms  # the draft forwards, without the early stop
         stats.control_ms = (t1 - t0 + t3 - t2) * 1e3 + draft.control_ms
@@ -159,38 +159,39 @@ class ModelRunner:
     def _draft(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, trace: bool) -> DraftBlock:
         """Greedy sequences draft the argmax; sampled ones draw from their sampling
         distribution q, kept for the rejection test. The confidence inputs (top
-        probability) never depend on the drawn token. `trace` also records each
-        position's top-2 margin and entropy."""
+        probability, margin to the second largest) never depend on the drawn token.
+        `trace` also records each position's entropy."""
         n = len(seqs)
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
         tokens, chosen, qs = [], [], {i: [] for i in sampled}
-        top_cols, control_ms = [], 0.0  # top as (n,) float64 columns for the early stop, and its time
-        margins, entropies = [], []
+        top_cols, margins, control_ms = [], [], 0.0  # (n,) float64 columns for the early stop, and its time
+        entropies = []
         if budget > 0:
             logits = self.proposer.begin(seqs, self.block_size)
             for j in range(budget):
                 q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
-                p_top, d = q.max(dim=-1)
+                top2, top_ids = q.topk(2, dim=-1)
+                p_top, d, margin = top2[:, 0].clone(), top_ids[:, 0].clone(), top2[:, 0] - top2[:, 1]
                 p_tok = p_top.clone()
                 for i in sampled:
                     qi = probs_from_logits(logits[i].float().cpu(), params[i])
                     qs[i].append(qi)
                     d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
-                    p_top[i], p_tok[i] = qi.max(), qi[d[i]]
+                    two = qi.topk(2).values
+                    p_top[i], p_tok[i], margin[i] = two[0], qi[d[i]], two[0] - two[1]
                 if trace:
                     dist = q.clone()
                     for i in sampled:
                         dist[i] = qs[i][-1]
-                    top2 = dist.topk(2, dim=-1).values
-                    margins.append(top2[:, 0] - top2[:, 1])
                     entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
                 tokens.append(d)
                 top_cols.append(p_top.double().numpy())
+                margins.append(margin.double().numpy())
                 chosen.append(p_tok)
                 if j == budget - 1:
                     break
                 t0 = time.perf_counter()
-                more = self.policy.keep_drafting(top_cols, tokens)
+                more = self.policy.keep_drafting(top_cols, margins, tokens)
                 control_ms += (time.perf_counter() - t0) * 1e3
                 if not more:
                     break
@@ -199,8 +200,7 @@ class ModelRunner:
             empty = np.zeros((n, 0))
             return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
         return DraftBlock(torch.stack(tokens, 1), np.stack(top_cols, 1), torch.stack(chosen, 1).double().numpy(),
-                          len(tokens), {i: torch.stack(rows) for i, rows in qs.items()},
-                          torch.stack(margins, 1).double().numpy() if trace else None,
+                          len(tokens), {i: torch.stack(rows) for i, rows in qs.items()}, np.stack(margins, 1),
                           torch.stack(entropies, 1).double().numpy() if trace else None, control_ms)
 
     def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats) -> list[SeqOutput]:
@@ -226,7 +226,8 @@ class ModelRunner:
             row += lens[i]
         acc = np.asarray(accepted, dtype=np.int64)
         t0 = time.perf_counter()
-        self.policy.observe(draft.top_prob[:, :int(keep.max())], keep, acc)
+        width = int(keep.max())
+        self.policy.observe(draft.top_prob[:, :width], draft.margin[:, :width], keep, acc)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         stats.accepted_per_position = [int((acc > j).sum()) for j in range(draft.steps)]
         stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]

@@ -41,15 +41,18 @@ def replay(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     labels = []
     for s in steps:
         top = np.array(s["top_prob"], dtype=np.float64).reshape(len(s["keep"]), -1)
+        if "margin" not in s:
+            raise ValueError(f"{path}: step {s.get('step')} has no 'margin' (a trace from an older adaspec)")
+        margin = np.array(s["margin"], dtype=np.float64).reshape(top.shape)
         keep, acc = np.array(s["keep"]), np.array(s["accepted"])
         trial, hit = outcomes(top.shape[1], keep, acc)
         estimates = {"top_prob": top, "top_prob_calibrated": bucket.estimate(top),
-                     "top_prob_logistic": logistic.estimate(top)}
+                     "top_prob_logistic": logistic.estimate(top, margin)}
         for name in ESTIMATORS:
             preds[name].append(estimates[name][trial])
         labels.append(hit[trial])
         bucket.update(top, keep, acc)
-        logistic.update(top, keep, acc)
+        logistic.update(top, margin, keep, acc)
     y = np.concatenate(labels).astype(np.float64)
     return {name: (np.concatenate(p), y) for name, p in preds.items()}
 

@@ -143,7 +143,7 @@ def warm(policy: SpecPolicy, pool: DraftPool, k: int, rows: int, rng: np.random.
     teach the calibrators the adaptive arms share), rather than a cold start."""
     for _ in range(rows // 8):
         pick = rng.integers(0, len(pool), 8)
-        policy.observe(pool.top_prob[pick, :k], np.full(8, k), np.minimum(pool.accepted[pick], k))
+        policy.observe(pool.top_prob[pick, :k], pool.margin[pick, :k], np.full(8, k), np.minimum(pool.accepted[pick], k))
 
 
 MODES = {"nospec": "static", "static": "static", "adaptive": "adaptive", "oracle": "oracle"}
@@ -151,7 +151,7 @@ MODES = {"nospec": "static", "static": "static", "adaptive": "adaptive", "oracle
 
 def _step(policy, registry, version, arm_policy, k, live, kv, left, rows, pool, cost, out, control_time) -> int:
     n, mode = len(live), MODES[arm_policy]
-    top, true_acc = pool.top_prob[rows, :max(k, 1)], np.minimum(pool.accepted[rows], k)
+    top, margin, true_acc = pool.top_prob[rows, :max(k, 1)], pool.margin[rows, :max(k, 1)], np.minimum(pool.accepted[rows], k)
     ctx_kv = kv[live]
     max_keep = np.maximum(0, np.minimum(k, left[live] - 1))
     kk = int(max_keep.max(initial=0))
@@ -160,15 +160,17 @@ def _step(policy, registry, version, arm_policy, k, live, kv, left, rows, pool, 
     t0 = time.perf_counter()
     policy.begin_step(mode, ctx_kv, max_keep, version, oracle)
     budget = policy.draft_budget(kk)
-    m, cols = 0, []
+    m, cols, margins = 0, [], []
     for j in range(budget):
         cols.append(top[:, j])
+        margins.append(margin[:, j])
         m += 1
-        if j == budget - 1 or not policy.keep_drafting(cols, [tokens[:, i] for i in range(m)]):
+        if j == budget - 1 or not policy.keep_drafting(cols, margins, [tokens[:, i] for i in range(m)]):
             break
-    keep = policy.keep(top[:, :m], top[:, :m], tokens[:, :m])
+    keep = policy.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
     accepted = np.minimum(keep, true_acc)
-    policy.observe(top[:, :int(keep.max(initial=0))], keep, accepted)
+    width = int(keep.max(initial=0))
+    policy.observe(top[:, :width], margin[:, :width], keep, accepted)
     control = (time.perf_counter() - t0) * 1e3 if control_time else 0.0
     profiled = getattr(cost, "control_ms", lambda *_: None)(arm_policy, n) if control_time else None
     control = control if profiled is None else profiled  # as measured in the engine, where the cost model has it

@@ -22,6 +22,7 @@ from controller.registry import StepSample
 @dataclass
 class DraftPool:
     top_prob: np.ndarray  # (N, k) the draft's top probability at each position
+    margin: np.ndarray  # (N, k) its margin to the second largest probability
     accepted: np.ndarray  # (N,) drafts accepted (0..k)
     starts: np.ndarray  # (S,) first row of each recorded sequence: its rows are contiguous
     sizes: np.ndarray  # (S,) rows of each recorded sequence (acceptance is correlated along a sequence)
@@ -57,7 +58,7 @@ def load_pool(path: str | Path) -> DraftPool:
         raise ValueError(f"{path}: no static decode step with drafts (record a bench with a static arm: "
                          f"adaspec bench --record-trace FILE)")
     k = max(t["draft_steps"] for t in lines)
-    top, acc, first_kv = [], [], {}
+    top, margin, acc, first_kv = [], [], [], {}
     rows_of: dict = defaultdict(list)
     for t in lines:
         if t["draft_steps"] != k:
@@ -68,13 +69,15 @@ def load_pool(path: str | Path) -> DraftPool:
                 rows_of[seq].append(len(acc))
                 first_kv.setdefault(seq, t["kv"][i])
                 top.append(t["top_prob"][i])
+                margin.append(t["margin"][i])
                 acc.append(t["accepted"][i])
     if not top:
         raise ValueError(f"{path}: no sequence verified all {k} drafts of a static step")
     seqs = sorted(rows_of)
     order = np.concatenate([rows_of[s] for s in seqs])  # each sequence's rows together
     sizes = np.array([len(rows_of[s]) for s in seqs], dtype=np.int64)
-    return DraftPool(np.array(top, dtype=np.float64)[order], np.array(acc, dtype=np.int64)[order],
+    return DraftPool(np.array(top, dtype=np.float64)[order], np.array(margin, dtype=np.float64)[order],
+                     np.array(acc, dtype=np.int64)[order],
                      np.cumsum(sizes) - sizes, sizes, np.array([first_kv[s] for s in seqs], dtype=np.int64), str(path))
 
 
@@ -122,12 +125,12 @@ def control_times(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 KEPT = ("label", "mode", "batch", "draft_steps", "draft_ms", "validate_ms", "control_ms", "step_ms", "seq", "kv",
-        "keep", "accepted", "top_prob")  # what the simulator reads
+        "keep", "accepted", "top_prob", "margin")  # what the simulator reads
 
 
 def trim(src: str | Path, dst: str | Path) -> int:
     """Copy a trace keeping only what the simulator reads (KEPT): per-position
-    probabilities only on the static steps with the most drafts (the pool), the step-level
+    probabilities and margins only on the static steps with the most drafts (the pool), the step-level
     fields everywhere (the measured throughput and profile). Returns the lines written.
 
         python -m cluster.sim.traces SRC DST
@@ -140,7 +143,7 @@ def trim(src: str | Path, dst: str | Path) -> int:
         for t in lines:
             t = {key: t[key] for key in KEPT if key in t}
             if not (t["mode"] == "static" and t["draft_steps"] == k):
-                t["top_prob"] = []
+                t["top_prob"], t["margin"] = [], []
             f.write(json.dumps(t, separators=(",", ":")) + "\n")
     return len(lines)
 
