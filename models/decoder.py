@@ -1,4 +1,4 @@
-"""Llama / Qwen2 decoder over packed ragged tokens, tensor parallel.
+"""Llama / Qwen2 / Qwen3 decoder over packed ragged tokens, tensor parallel.
 
 Parameter names mirror Hugging Face's (`model.layers.0.self_attn...`, `lm_head`), with
 q/k/v and gate/up fused; `models.loader` maps checkpoint names onto them.
@@ -25,6 +25,10 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.nh, self.nkv, self.hd = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, arch.head_dim
         self.scale = arch.head_dim ** -0.5
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by every query (key) head
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         w = self.qkv_proj.weight
@@ -33,17 +37,26 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache) -> torch.Tensor:
         # x: (T, H)
         qkv = self.qkv_proj(x).view(-1, self.nh + 2 * self.nkv, self.hd)
-        qk = self.rotary(batch.positions, qkv[:, :self.nh + self.nkv], batch.memo)
+        qk = qkv[:, :self.nh + self.nkv]
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, :self.nh].reshape(-1, self.hd)).view(-1, self.nh, self.hd)
+            k = self.k_norm(qkv[:, self.nh:self.nh + self.nkv].reshape(-1, self.hd)).view(-1, self.nkv, self.hd)
+            qk = torch.cat([q, k], dim=1)
+        qk = self.rotary(batch.positions, qk, batch.memo)
         q, k, v = qk[:, :self.nh], qk[:, self.nh:], qkv[:, self.nh + self.nkv:]
         out = paged_attention(q, k, v, cache, batch, self.scale)  # (T, nh, hd)
         return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: TPGroup):
+    """SwiGLU, intermediate dimension split over ranks. `reduce=False` leaves the partial
+    sum to the caller (an MoE layer reduces its experts' sum once)."""
+
+    def __init__(self, arch: ModelArch, tp: TPGroup, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
+        inter = intermediate_size or arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter] * 2, tp)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -55,7 +68,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, tp: TPGroup):
+    def __init__(self, arch: ModelArch, tp: TPGroup, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, tp)
@@ -68,10 +81,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    layer_class = DecoderLayer
+
     def __init__(self, arch: ModelArch, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList([DecoderLayer(arch, tp) for _ in range(arch.num_layers)])
+        self.layers = nn.ModuleList([self.layer_class(arch, tp, i) for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache]) -> torch.Tensor:
@@ -85,10 +100,12 @@ class CausalLM(nn.Module):
     """Decoder plus vocab-parallel head. `forward` returns final hidden states; `logits`
     turns selected ones into full-vocabulary logits on every rank."""
 
+    model_class = DecoderModel
+
     def __init__(self, arch: ModelArch, tp: TPGroup):
         super().__init__()
         self.arch, self.tp = arch, tp
-        self.model = DecoderModel(arch, tp)
+        self.model = self.model_class(arch, tp)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

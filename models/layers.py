@@ -1,4 +1,4 @@
-"""Normalisation and rotary position embedding (default and llama3 scaling)."""
+"""Normalisation and rotary position embedding (default, llama3 and YaRN scaling)."""
 from __future__ import annotations
 
 import functools
@@ -44,10 +44,36 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(mid, blended, out)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN (as transformers computes it): low frequencies divided by `factor`, high ones
+    kept, a linear ramp between; cos and sin scaled by the attention factor."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
+
+
 @functools.lru_cache(maxsize=8)
-def _tables(max_positions: int, inv_freq: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(max_positions: int, inv_freq: tuple[float, ...], scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), torch.tensor(inv_freq, dtype=torch.float64))
-    return freqs.cos().float(), freqs.sin().float()
+    return (freqs.cos() * scale).float(), (freqs.sin() * scale).float()
 
 
 class RotaryEmbedding(nn.Module):
@@ -57,11 +83,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        scale = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "yarn":
+            inv_freq, scale = _yarn_inv_freq(inv_freq, scaling, theta, head_dim)
         elif rope_type not in ("default", None):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
-        cos, sin = _tables(max_positions, tuple(inv_freq.tolist()))
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3, yarn)")
+        cos, sin = _tables(max_positions, tuple(inv_freq.tolist()), scale)
         self.register_buffer("cos", cos, persistent=False)  # (P, hd/2), one tensor shared by every layer
         self.register_buffer("sin", sin, persistent=False)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from models.config import ModelArch
 from models.decoder import CausalLM
+from models.deepseek import DeepseekV3CausalLM
 from models.parallel import TPGroup
 
 # checkpoint name fragment -> (our fused name fragment, shard id)
@@ -55,7 +56,7 @@ def load_weights(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
             continue
         name, shard = name[len(prefix):], None
         for frag, (fused, shard_id) in FUSED.items():
-            if frag in name:
+            if frag in name and name not in params:  # an unfused parameter of that name keeps it (MLA's q_proj)
                 name, shard = name.replace(frag, fused), shard_id
                 break
         if name not in params:
@@ -77,8 +78,11 @@ def load_causal_lm(path: str | Path, tp: TPGroup, dtype: torch.dtype = torch.flo
                    device: str | torch.device = "cpu") -> CausalLM:
     arch = ModelArch.from_dir(path)
     arch.check_tp(tp.size)
-    model = CausalLM(arch, tp)
+    model = (DeepseekV3CausalLM if arch.deepseek is not None else CausalLM)(arch, tp)
     tensors = iter_tensors(path)
+    if arch.deepseek is not None:  # the MTP layers after the last decoder layer load with the proposer
+        mtp = tuple(f"model.layers.{arch.num_layers + i}." for i in range(arch.deepseek.num_nextn_predict_layers))
+        tensors = ((n, t) for n, t in tensors if not n.startswith(mtp))
     if arch.tie_word_embeddings:  # some tied checkpoints still store the head: it is the embedding
         tensors = ((n, t) for n, t in tensors if n != "lm_head.weight")
     loaded = load_weights(model, tensors)

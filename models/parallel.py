@@ -122,11 +122,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """Input features split across ranks; partial sums are all-reduced in forward."""
+    """Input features split across ranks; partial sums are all-reduced in forward, unless
+    `reduce=False`: then the caller sums several partial outputs and reduces once (MoE)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False, reduce: bool = True):
         super().__init__()
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
         self.in_per_rank = _divide(in_features, tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
@@ -138,7 +139,9 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(_narrow(full, 1, self.tp.rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(kernels.linear(self, x, self.weight))
+        y = kernels.linear(self, x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -12,7 +12,7 @@ BLOCK = 16
 
 
 def _save_hf(kind: str, path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     common = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
@@ -22,6 +22,8 @@ def _save_hf(kind: str, path) -> None:
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
         model = LlamaForCausalLM(cfg)
+    elif kind == "qwen3":  # explicit head_dim (not hidden / heads), per-head q/k norms, no qkv bias
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=False))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
     with torch.no_grad():  # random norms and biases, so a loader that skips them fails
@@ -68,7 +70,7 @@ def attention_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_logits_match_transformers(tmp_path, kind, tp_size, attention_path):
     from transformers import AutoModelForCausalLM

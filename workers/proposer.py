@@ -14,6 +14,7 @@ import torch
 
 from models.attention import AttnBatch
 from models.decoder import CausalLM
+from models.deepseek import DeepseekMTPLayer
 from models.mtp import MTPModule
 
 
@@ -81,10 +82,13 @@ class DraftModelProposer(Proposer):
 
 
 class MTPProposer(Proposer):
-    """The MTP module, sharded like the target, reading the target's hidden states."""
+    """The MTP module, sharded like the target, reading the target's hidden states: a
+    separate module (the target's head gives its logits) or the target checkpoint's own
+    MTP layer (DeepSeek-V3: its own `shared_head`)."""
 
-    def __init__(self, mtp: MTPModule, target: CausalLM, num_blocks: int, block_size: int):
+    def __init__(self, mtp: MTPModule | DeepseekMTPLayer, target: CausalLM, num_blocks: int, block_size: int):
         self.mtp, self.target = mtp, target
+        self.logits = mtp.logits if isinstance(mtp, DeepseekMTPLayer) else target.logits
         self.cache = mtp.new_kv_cache(num_blocks, block_size)
 
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
@@ -105,9 +109,9 @@ class MTPProposer(Proposer):
             s.draft_len = len(s.tokens)
             s.hidden, s.hidden_start = None, s.num_computed
         self._pos = [len(s.tokens) - 1 for s in seqs]
-        return self.target.logits(self._hidden)
+        return self.logits(self._hidden)
 
     def next(self, tokens: torch.Tensor) -> torch.Tensor:
         batch = self._batch_next(tokens)
         self._hidden = self.mtp(self.target.model.embed_tokens(tokens), self._hidden, batch, self.cache)
-        return self.target.logits(self._hidden)
+        return self.logits(self._hidden)

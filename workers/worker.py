@@ -16,7 +16,7 @@ from controller.time_model import TimeModel
 from models import kernels
 from models.config import ModelArch, ModelConfig
 from models.loader import load_causal_lm
-from models.mtp import load_mtp
+from models.mtp import load_deepseek_mtp, load_mtp
 from models.parallel import TPGroup
 from workers.config import CacheConfig, ParallelConfig
 from workers.plan import StepPlan, StepResult
@@ -108,8 +108,9 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
     target = load_causal_lm(model.target, tp, dtype, device)
     proposer: Proposer | None = None
     if spec.enabled and spec.method == "mtp":
-        proposer = MTPProposer(load_mtp(model.mtp, target.arch, tp, dtype, device), target, cache.num_blocks,
-                               cache.block_size)
+        mtp = (load_mtp(model.mtp, target.arch, tp, dtype, device) if model.mtp is not None
+               else load_deepseek_mtp(model.target, target.arch, tp, dtype, device))
+        proposer = MTPProposer(mtp, target, cache.num_blocks, cache.block_size)
     elif spec.enabled and spec.method == "draft_model":
         draft = load_causal_lm(model.draft, TPGroup(), dtype, device)  # small: replicated on every rank
         if draft.arch.vocab_size != target.arch.vocab_size:
@@ -123,7 +124,13 @@ def check_model_dirs(model: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
     """Validate paths and shapes on the driver, before any worker starts."""
     arch = ModelArch.from_dir(model.target)
     arch.check_tp(tp_size)
-    if spec.enabled:
+    if spec.enabled and spec.method == "mtp" and model.mtp is None:
+        layers = arch.deepseek.num_nextn_predict_layers if arch.deepseek is not None else 0
+        if layers < 1:
+            raise ValueError(f"model.mtp is null, so speculative.method=mtp needs the target's own MTP layer, but "
+                             f"model.target={model.target!r} has num_nextn_predict_layers={layers}; set model.mtp "
+                             f"to a separate MTP module")
+    elif spec.enabled:
         path = model.mtp if spec.method == "mtp" else model.draft
         key = "model.mtp" if spec.method == "mtp" else "model.draft"
         if not os.path.isdir(path):
