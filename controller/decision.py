@@ -119,7 +119,7 @@ def decide_with(confidence, costs: StepCosts, min_gain: float = 0.0, draft_ms: f
     if n * k <= SMALL:
         conf = confidence if isinstance(confidence, list) else np.asarray(confidence).tolist()
         cap = None if max_keep is None else np.asarray(max_keep).tolist()
-        return np.array(_decide_small(conf, costs, min_gain, draft_ms, cap, refine), dtype=np.int64)
+        return np.array(decide_small(conf, costs, min_gain, draft_ms, cap, refine), dtype=np.int64)
     return _decide_numpy(np.asarray(confidence, dtype=np.float64), costs, min_gain, draft_ms, max_keep, refine)
 
 
@@ -190,7 +190,7 @@ def _decide_numpy(confidence: np.ndarray, costs: StepCosts, min_gain: float, dra
     return np.bincount(seq[:count], minlength=n).astype(np.int64)
 
 
-def _decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, draft_ms: float,
+def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, draft_ms: float,
                   max_keep: list[int] | None, refine: bool = True) -> list[int]:
     """The same rule and the same arithmetic as `_decide_numpy`, in plain Python (equal
     results; tests check it). Small batches decide once per draft step, so this is on the

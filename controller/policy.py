@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, StepCosts, decide_with, f_table, step_costs
+from controller.decision import SMALL, StepCosts, decide_small, decide_with, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator, confidence
 from controller.time_model import TimeModel
 
@@ -37,6 +37,7 @@ class StepContext:
     model: TimeModel
     oracle: np.ndarray | None  # (n, k) reference tokens after the last emitted one (-1 past the end)
     kmax: int = 0  # max(max_keep)
+    max_keep_list: list | None = None  # max_keep as Python ints (small batches)
     costs: StepCosts | None = None  # adaptive steps: the decision's time terms
     conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
 
@@ -104,7 +105,9 @@ class SpecPolicy:
             probe = self.adaptive_steps - self.last_probe >= self.probe_every
             if probe:
                 self.last_probe, self.probes = self.adaptive_steps, self.probes + 1
-        self.ctx = StepContext(mode, probe, kv, max_keep, self.model(version), oracle, int(max_keep.max(initial=0)))
+        small = len(max_keep) <= SMALL
+        self.ctx = StepContext(mode, probe, kv, max_keep, self.model(version), oracle, int(max_keep.max(initial=0)),
+                               max_keep.tolist() if small else None)
         return self.ctx
 
     def draft_budget(self, k: int) -> int:
@@ -118,12 +121,12 @@ class SpecPolicy:
         tm, n = c.model, len(c.kv)
         kv_ms = tm.b2 * float(c.kv.sum())  # one validated token per sequence: context cost of the batch
         f = self._f(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        rates = self._rates
+        rates, o0, o1, first, g = self._rates, tm.o0, tm.o1, tm.d_first, tm.draft_step_ms(n)  # (tm's formulas, inlined)
         best_m, best, expected, path = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
         for m in range(1, k + 1):
             path *= rates[m - 1]
             expected += path
-            theta = expected / (tm.other_ms(n * expected) + tm.draft_ms(n, m) + f[m] + (m + 1) * kv_ms)
+            theta = expected / ((o0 + o1 * (n * expected)) + (first + m * g) + f[m] + (m + 1) * kv_ms)
             if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay
@@ -142,9 +145,13 @@ class SpecPolicy:
         if c.mode != "adaptive" or c.probe or not self.cfg.adaptive.early_stop:
             return True
         n = len(c.kv)
-        cols = self._estimates(top_prob, margin)
-        conf = _matrix(cols + [[1.0] * n if isinstance(cols[0], list) else np.ones(n)])
+        cols = self._estimates(top_prob, margin, j)
         draft_ms = c.model.draft_ms(n, j + 1)  # predicted, never measured: same on every rank
+        if isinstance(cols[0], list):  # small batch: plain Python end to end
+            rows = [row + [1.0] for row in _matrix(cols)]
+            keep = decide_small(rows, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list, False)
+            return max(keep) > j
+        conf = np.stack(cols + [np.ones(n)], 1)
         keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep, refine=False)
         return bool(keep.max() > j)
 
@@ -157,13 +164,12 @@ class SpecPolicy:
             return np.minimum(np.minimum(self._oracle_match(tokens), c.max_keep), m)
         if c.mode == "static" or m == 0:
             return np.minimum(c.max_keep, m)
-        if self.cfg.adaptive.estimator == "token_prob":
-            conf = token_prob
-        else:
-            small = n * c.kmax <= SMALL  # one conversion to Python for small batches
-            conf = _matrix(self._estimates(_columns(top_prob, small), _columns(margin, small)))
+        conf = token_prob if self.cfg.adaptive.estimator == "token_prob" else _matrix(self._estimates(top_prob, margin, m))
         draft_ms = c.model.draft_ms(n, m)
-        keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
+        if isinstance(conf, list):
+            keep = np.array(decide_small(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list))
+        else:
+            keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
         if c.probe:  # a rotating share of sequences verifies everything drafted
             chosen = (np.arange(len(keep)) + self.probes) % PROBE_SHARE == 0
             keep = np.where(chosen, np.minimum(c.max_keep, m), keep)
@@ -195,18 +201,19 @@ class SpecPolicy:
         return np.cumprod(match, axis=1).sum(axis=1)
 
     # ------------------------------------------------------------------ estimates
-    def _estimates(self, top_prob: list, margin: list) -> list:
-        """Acceptance estimates of the step's draft positions, one column each, computed
-        once per position and step (the calibrators change only between steps); Python
-        lists for small batches, arrays for large ones. token_prob's early stop uses the
-        top probability, an upper bound of the drafted token's."""
+    def _estimates(self, top_prob, margin, count: int) -> list:
+        """Acceptance estimates of the step's first `count` draft positions, one column
+        each, computed once per position and step (the calibrators change only between
+        steps); Python lists for small batches, arrays for large ones. top_prob, margin:
+        lists of (n,) columns or (n, m) arrays. token_prob's early stop uses the top
+        probability, an upper bound of the drafted token's."""
         c = self.ctx
         if c.conf is None:
             c.conf = []
         small = len(c.kv) * c.kmax <= SMALL
         est = self.cfg.adaptive.estimator
-        for j in range(len(c.conf), len(top_prob)):
-            col, m = top_prob[j], margin[j]
+        for j in range(len(c.conf), count):
+            col, m = _column(top_prob, j), _column(margin, j)
             if small != isinstance(col, list):
                 col = col.tolist() if small else np.asarray(col, dtype=np.float64)
             if est == "top_prob_logistic":
@@ -217,7 +224,7 @@ class SpecPolicy:
                 col = self.calibrator.estimate(np.asarray(col, dtype=np.float64)[:, None], start=j)[:, 0]
                 col = col.tolist() if small else col
             c.conf.append(col)
-        return c.conf[:len(top_prob)]
+        return c.conf[:count]
 
     def confidence(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
         self._flush()
@@ -259,6 +266,6 @@ def _matrix(cols: list) -> list[list[float]] | np.ndarray:
     return [list(row) for row in zip(*cols)] if isinstance(cols[0], list) else np.stack(cols, 1)
 
 
-def _columns(a: np.ndarray, small: bool) -> list:
-    """(n, m) -> m columns: Python lists for small batches (one conversion), array views otherwise."""
-    return [list(col) for col in zip(*a.tolist())] if small else [a[:, j] for j in range(a.shape[1])]
+def _column(a, j: int):
+    """Column j of a list of columns or of an (n, m) array."""
+    return a[:, j] if isinstance(a, np.ndarray) else a[j]

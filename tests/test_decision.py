@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.decision import (CONF_ONE, SMALL, _decide_numpy, _decide_small, decide, path_probs, quantize,
+from controller.decision import (CONF_ONE, SMALL, _decide_numpy, decide_small, decide, path_probs, quantize,
                                  step_costs)
 from controller.time_model import TimeModel
 
@@ -122,7 +122,7 @@ def test_small_path_equals_vectorised_path(conf, b0, b1, b2, draft_ms, min_gain,
     tm = TimeModel(b0=b0, b1=b1, b2=b2)
     costs = step_costs(tm, kv, conf.size)
     for max_keep in (None, cap):
-        small = _decide_small(conf.tolist(), costs, min_gain, draft_ms, None if max_keep is None else max_keep.tolist())
+        small = decide_small(conf.tolist(), costs, min_gain, draft_ms, None if max_keep is None else max_keep.tolist())
         assert small == _decide_numpy(conf, costs, min_gain, draft_ms, max_keep).tolist()
 
 
@@ -180,7 +180,7 @@ def test_small_path_equals_vectorised_path_with_tables(conf, draft_ms, min_gain,
     tm = TimeModel(**{**_random_table(rng).__dict__, "b2": float(rng.uniform(0, 0.002)),
                       "o0": float(rng.uniform(0, 1)), "o1": float(rng.uniform(0, 0.3))})
     costs = step_costs(tm, kv, conf.size)
-    small = _decide_small(conf.tolist(), costs, min_gain, draft_ms, None)
+    small = decide_small(conf.tolist(), costs, min_gain, draft_ms, None)
     assert small == _decide_numpy(conf, costs, min_gain, draft_ms, None).tolist()
 
 
