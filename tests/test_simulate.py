@@ -34,6 +34,9 @@ class FlatCost:
     def other_ms(self, n, emitted) -> float:
         return 0.0
 
+    def control_ms(self, policy, n) -> None:
+        return None
+
 
 def _spec(k: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(num_speculative_tokens=k, adaptive=AdaptiveConfig(enabled=True, profile_on_start=False))

@@ -6,6 +6,7 @@ A cost model answers, in milliseconds:
     validate_ms(q, kv)     one target forward: sequence i validates q[i] tokens at context kv[i]
     draft_ms(n, kv, steps) `steps` draft steps of n sequences
     other_ms(n, emitted)   the rest of a step (scheduling, sampling, bookkeeping)
+    control_ms(policy, n)  the controller's own time, or None where the simulator measures it
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from controller.registry import ProfileRegistry, StepSample
 
 
 WARM_ROWS = 4096  # draft rows the calibrators see before an arm starts (see warm)
+MODES = {"nospec": "static", "static": "static", "adaptive": "adaptive", "oracle": "oracle"}  # arm -> plan mode
 
 
 @dataclass
@@ -60,6 +61,21 @@ class SimResult:
     other_ms: float = 0.0
     control_ms: float = 0.0
     budgets: list = field(default_factory=list)
+
+    def add(self, n: int, tokens: int, step_ms: float, verified: int, accepted: int, draft_ms: float,
+            validate_ms: float, other_ms: float, control_ms: float) -> None:
+        """One decode step of n sequences."""
+        self.tokens += tokens
+        self.ms += step_ms
+        self.seq_ms += n * step_ms
+        self.steps += 1
+        self.seq_steps += n
+        self.verified += verified
+        self.accepted += accepted
+        self.draft_ms += draft_ms
+        self.validate_ms += validate_ms
+        self.other_ms += other_ms
+        self.control_ms += control_ms
 
     def summary(self) -> dict:
         steps = max(self.steps, 1)
@@ -129,12 +145,49 @@ class Run:
         return run
 
     def step(self, live, kv, left, source, cost, out: SimResult, control_time: bool) -> float:
-        """One decode step of the sequences `live` (indices into kv, left, source); returns its ms."""
+        """One decode step of the sequences `live` (indices into kv, left, source): draft rows
+        drawn, the policy run, times from `cost`, the registry fed; returns the step's ms."""
+        policy, pool = self.policy, self.pool
         k = 0 if self.arm.policy == "nospec" else self.arm.k
-        before = out.ms
-        self.version = _step(self.policy, self.registry, self.version, self.arm.policy, k, live, kv, left,
-                             self.pool.draw(source[live], self.rng), self.pool, cost, out, control_time)
-        return out.ms - before
+        n, mode = len(live), MODES[self.arm.policy]
+        rows = pool.draw(source[live], self.rng)
+        top, margin = pool.top_prob[rows, :max(k, 1)], pool.margin[rows, :max(k, 1)]
+        true_acc = np.minimum(pool.accepted[rows], k)
+        ctx_kv = kv[live]
+        max_keep = np.maximum(0, np.minimum(k, left[live] - 1))
+        kk = int(max_keep.max(initial=0))
+        tokens = np.zeros((n, kk), dtype=np.int64)  # oracle: a draft matches the reference while accepted
+        oracle = np.where(np.arange(kk)[None, :] < true_acc[:, None], 0, 1) if mode == "oracle" else None
+        t0 = time.perf_counter()
+        policy.begin_step(mode, ctx_kv, max_keep, self.version, oracle)
+        budget = policy.draft_budget(kk)
+        m = 0
+        for j in range(budget):
+            m += 1
+            if j == budget - 1 or not policy.keep_drafting([top[:, i] for i in range(m)],
+                                                           [margin[:, i] for i in range(m)],
+                                                           [tokens[:, i] for i in range(m)]):
+                break
+        keep = policy.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
+        accepted = np.minimum(keep, true_acc)
+        width = int(keep.max(initial=0))
+        policy.observe(top[:, :width], margin[:, :width], keep, accepted)
+        control = (time.perf_counter() - t0) * 1e3 if control_time else 0.0
+        profiled = cost.control_ms(self.arm.policy, n) if control_time else None
+        control = control if profiled is None else profiled  # as measured in the engine, where the cost model has it
+        emitted = np.minimum(accepted + 1, left[live])
+        t_draft = cost.draft_ms(n, ctx_kv, m) if m else 0.0
+        t_val = cost.validate_ms(keep + 1, ctx_kv)
+        t_other = cost.other_ms(n, int(emitted.sum()))
+        step_ms = t_draft + t_val + t_other + control
+        new = self.registry.add([StepSample(n, int((keep + 1).sum()), int(((keep + 1) * ctx_kv).sum()), t_val, m,
+                                            t_draft, t_other + control, int(emitted.sum()))])
+        if new is not None:
+            self.version = policy.install(new)
+        kv[live] += accepted + 1
+        left[live] -= emitted
+        out.add(n, int(emitted.sum()), step_ms, int(keep.sum()), int(accepted.sum()), t_draft, t_val, t_other, control)
+        return step_ms
 
 
 def warm(policy: SpecPolicy, pool: DraftPool, k: int, rows: int, rng: np.random.Generator) -> None:
@@ -144,56 +197,3 @@ def warm(policy: SpecPolicy, pool: DraftPool, k: int, rows: int, rng: np.random.
     for _ in range(rows // 8):
         pick = rng.integers(0, len(pool), 8)
         policy.observe(pool.top_prob[pick, :k], pool.margin[pick, :k], np.full(8, k), np.minimum(pool.accepted[pick], k))
-
-
-MODES = {"nospec": "static", "static": "static", "adaptive": "adaptive", "oracle": "oracle"}
-
-
-def _step(policy, registry, version, arm_policy, k, live, kv, left, rows, pool, cost, out, control_time) -> int:
-    n, mode = len(live), MODES[arm_policy]
-    top, margin, true_acc = pool.top_prob[rows, :max(k, 1)], pool.margin[rows, :max(k, 1)], np.minimum(pool.accepted[rows], k)
-    ctx_kv = kv[live]
-    max_keep = np.maximum(0, np.minimum(k, left[live] - 1))
-    kk = int(max_keep.max(initial=0))
-    tokens = np.zeros((n, kk), dtype=np.int64)  # oracle: a draft matches the reference while accepted
-    oracle = np.where(np.arange(kk)[None, :] < true_acc[:, None], 0, 1) if mode == "oracle" else None
-    t0 = time.perf_counter()
-    policy.begin_step(mode, ctx_kv, max_keep, version, oracle)
-    budget = policy.draft_budget(kk)
-    m, cols, margins = 0, [], []
-    for j in range(budget):
-        cols.append(top[:, j])
-        margins.append(margin[:, j])
-        m += 1
-        if j == budget - 1 or not policy.keep_drafting(cols, margins, [tokens[:, i] for i in range(m)]):
-            break
-    keep = policy.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
-    accepted = np.minimum(keep, true_acc)
-    width = int(keep.max(initial=0))
-    policy.observe(top[:, :width], margin[:, :width], keep, accepted)
-    control = (time.perf_counter() - t0) * 1e3 if control_time else 0.0
-    profiled = getattr(cost, "control_ms", lambda *_: None)(arm_policy, n) if control_time else None
-    control = control if profiled is None else profiled  # as measured in the engine, where the cost model has it
-    emitted = np.minimum(accepted + 1, left[live])
-    t_draft = cost.draft_ms(n, ctx_kv, m) if m else 0.0
-    t_val = cost.validate_ms(keep + 1, ctx_kv)
-    t_other = cost.other_ms(n, int(emitted.sum()))
-    step_ms = t_draft + t_val + t_other + control
-    new = registry.add([StepSample(n, int((keep + 1).sum()), int(((keep + 1) * ctx_kv).sum()), t_val, m, t_draft,
-                                   t_other + control, int(emitted.sum()))])
-    if new is not None:
-        version = policy.install(new)
-    kv[live] += accepted + 1
-    left[live] -= emitted
-    out.tokens += int(emitted.sum())
-    out.ms += step_ms
-    out.seq_ms += n * step_ms
-    out.steps += 1
-    out.seq_steps += n
-    out.verified += int(keep.sum())
-    out.accepted += int(accepted.sum())
-    out.draft_ms += t_draft
-    out.validate_ms += t_val
-    out.other_ms += t_other
-    out.control_ms += control
-    return version

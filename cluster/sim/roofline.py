@@ -197,6 +197,10 @@ class RooflineCost:
         hw = self.hw
         return hw.step_overhead_ms + hw.host_ms_per_seq * n + hw.host_ms_per_token * emitted
 
+    def control_ms(self, policy: str, n: int) -> None:
+        """The controller's time is not modelled: the simulator measures its own."""
+        return None
+
     def work(self, q: np.ndarray, kv: np.ndarray) -> dict:
         """Per-rank totals of one target forward: weight_bytes, kv_bytes, flops, allreduce_bytes (summed
         over all all-reduces)."""
