@@ -14,8 +14,10 @@ every sequence costs the same), ties to smaller j, then smaller i; then keep the
 of that ranking with the highest Theta (argmax over all prefixes, not the first one that
 stops improving). Since a[i, :] is non-increasing, every sequence keeps a prefix of its
 drafts. When the cost depends only on Q (b2 = 0), the best set of m candidates is the m
-with the largest a, so this is the optimum; with context costs it is the greedy ratio
-order, within 1% of the optimum on random instances (tests/test_decision.py).
+with the largest a, so this is the optimum. With context costs, Dinkelbach rounds follow:
+with lambda the best prefix's Theta, rank by a (1 - lambda o1) - lambda b2 kv_i (in
+integers) and take that ranking's best prefix, while Theta rises; this reaches the
+exhaustive optimum (tests/test_decision.py). The early stop skips the rounds (refine=False).
 
 Determinism across ranks: confidences are quantised to 2^-12, path probabilities are
 integers, times are integers in TIME_UNIT_NS (time_model.py; f rounded per Q), and Theta is the float
@@ -81,15 +83,14 @@ def step_costs(tm: TimeModel, kv, extra: int, f: tuple | None = None) -> StepCos
     given, is f_table(tm, n, extra) computed before (steps of one batch size repeat it)."""
     n = len(kv)
     f_np, f_list = f_table(tm, n, extra) if f is None else f
+    fixed, per_token = int(round(tm.o0 * UNITS_PER_MS)), int(round(tm.o1 * UNITS_PER_MS))
     if n <= SMALL:  # the small path may run (n * k <= SMALL): Python ints, no numpy calls
         ctx_list = context_units(tm, kv)
-        return StepCosts(n, None, ctx_list, sum(ctx_list),
-                         n == 0 or min(ctx_list) == max(ctx_list), int(round(tm.o0 * UNITS_PER_MS)),
-                         int(round(tm.o1 * UNITS_PER_MS)), f_np, f_list)
+        uniform = n == 0 or min(ctx_list) == max(ctx_list)
+        return StepCosts(n, None, ctx_list, sum(ctx_list), uniform, fixed, per_token, f_np, f_list)
     # np.rint rounds half to even, as round() does: the same integers as context_units
     ctx = np.rint(tm.b2 * np.asarray(kv, dtype=np.float64) * UNITS_PER_MS).astype(np.int64)
-    return StepCosts(n, ctx, [], int(ctx.sum()), bool(ctx.min() == ctx.max()), int(round(tm.o0 * UNITS_PER_MS)),
-                     int(round(tm.o1 * UNITS_PER_MS)), f_np, f_list)
+    return StepCosts(n, ctx, [], int(ctx.sum()), bool(ctx.min() == ctx.max()), fixed, per_token, f_np, f_list)
 
 
 def f_table(tm: TimeModel, n: int, extra: int) -> tuple[np.ndarray, tuple[int, ...]]:

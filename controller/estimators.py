@@ -153,17 +153,3 @@ class LogisticCalibrator:
         self.h[:k] = FORGET ** steps * self.h[:k] + curvature
         self.w[:k] += np.linalg.solve(self.h[:k], grad[..., None])[..., 0]
         self._w = self.w.tolist()
-
-
-def confidence(estimator: str, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
-               calibrator: Calibrator | None, logistic: LogisticCalibrator | None = None) -> np.ndarray:
-    """(n, k) acceptance estimates for the chosen estimator."""
-    if estimator == "top_prob":
-        return top_prob
-    if estimator == "top_prob_logistic":
-        return logistic.estimate(top_prob, margin)
-    if estimator == "token_prob":
-        return token_prob
-    if estimator == "top_prob_calibrated":
-        return calibrator.estimate(top_prob)
-    raise ValueError(f"unknown estimator {estimator!r}")

@@ -5,7 +5,7 @@ version), so all ranks reach the same answers without talking to each other.
 
 Modes (chosen per step by the plan):
   static    draft k, verify every draft
-  adaptive  draft budget, early stop and the causal keep decision (DESIGN.md section 3)
+  adaptive  draft budget, early stop and the keep decision (DESIGN.md section 3)
   oracle    verify exactly the drafts that match a known reference continuation (benchmark
             floor on validate cost; needs the reference tokens in the plan)
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from controller.config import SpeculativeConfig
 from controller.decision import SMALL, StepCosts, decide_small, decide_with, f_table, step_costs
-from controller.estimators import Calibrator, LogisticCalibrator, confidence
+from controller.estimators import Calibrator, LogisticCalibrator
 from controller.time_model import TimeModel
 
 MODES = ("static", "adaptive", "oracle")
@@ -227,10 +227,6 @@ class SpecPolicy:
                 col = col.tolist() if small else col
             c.conf.append(col)
         return c.conf[:count]
-
-    def confidence(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
-        self._flush()
-        return confidence(self.cfg.adaptive.estimator, top_prob, token_prob, margin, self.calibrator, self.logistic)
 
     def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         """Validation outcomes (top_prob, margin: (n, m) of the drafts that could be verified).
