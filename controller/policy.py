@@ -20,11 +20,12 @@ from controller.config import SpeculativeConfig
 from controller.decision import SMALL, StepCosts, decide_small, decide_with, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.time_model import TimeModel
+from controller.yields import DraftYields, prior_rates
 
 MODES = ("static", "adaptive", "oracle")
 PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
 PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding that drafting does not pay ...
-PROBE_SHARE = 4  # ... and verifies everything drafted for every 4th sequence (rotating)
+EXPLORE_EVERY = 4  # at every adaptive step, every 4th sequence (rotating) verifies everything drafted
 OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at least this many steps ...
 OBSERVE_ROWS = 256  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 256  # ... but never more steps than this
@@ -41,13 +42,14 @@ class StepContext:
     kmax: int = 0  # max(max_keep)
     max_keep_list: list | None = None  # max_keep as Python ints (small batches)
     costs: StepCosts | None = None  # adaptive steps: the decision's time terms
+    rule_keep: list | np.ndarray | None = None  # adaptive steps: what the keep rule chose (before exploration)
     conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
 
 
 class SpecPolicy:
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
-        self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the draft budget's position rates
+        self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
         self.in_use = 0  # the newest version a plan has named
@@ -59,7 +61,8 @@ class SpecPolicy:
         self.ctx: StepContext | None = None
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
-        self._rates = self.calibrator.position_rates().tolist()  # per draft position, as of the last batch
+        self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
+        self._shares = self.yields.shares(prior_rates(self.calibrator))  # the budget's, as of the last batch
         self._f_cache: dict[tuple, tuple] = {}  # f values a time model gives a batch size (see _f)
 
     # ------------------------------------------------------------------ time models
@@ -94,11 +97,10 @@ class SpecPolicy:
     # ------------------------------------------------------------------ one step
     def begin_step(self, mode: str, kv: np.ndarray, max_keep: np.ndarray, version: int,
                    oracle: np.ndarray | None = None) -> StepContext:
-        """Probe steps: without them, drafts the estimate calls hopeless would never be
-        verified, and the calibrator could never learn that they are not. A probe drafts
-        one position past the budget and verifies all drafts of a rotating quarter of the
-        sequences: cheap enough to run where speculation does not pay. (Drafting all k at a
-        probe was tried: DESIGN.md section 8, probes.)"""
+        """Probe steps: without them, positions the budget calls hopeless would never be
+        drafted, and the estimates could never learn that they are not. A probe drafts one
+        position past the budget; the exploration in `keep` verifies it for a rotating share of
+        the sequences. (Drafting all k at a probe was tried: DESIGN.md section 8, probes.)"""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = False
@@ -114,21 +116,25 @@ class SpecPolicy:
 
     def draft_budget(self, k: int) -> int:
         """How many draft steps to run: the m in 0..k that maximises the estimated
-        throughput n (1 + a_1 + .. + a_m) / (T_draft(m) + T_val + T_other) when every sequence has the
-        calibrated acceptance of each position and the batch's mean context (O(k) scalar
-        arithmetic, the same on every rank). 0 means a plain decode step."""
+        throughput n (1 + y_1 + .. + y_m) / (T_draft(m) + T_val(n (1 + v_1 + .. + v_m)) + T_other),
+        y_j and v_j the shares of drafts at position j that were accepted and that the keep rule
+        verified (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
+        every rank). 0 means a plain decode step."""
         c = self.ctx
         if c.mode != "adaptive" or k == 0:
             return k
         tm, n = c.model, len(c.kv)
         kv_ms = tm.b2 * float(c.kv.sum())  # one validated token per sequence: context cost of the batch
         f = self._f(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        rates, o0, o1, first, g = self._rates, tm.o0, tm.o1, tm.d_first, tm.draft_step_ms(n)  # (tm's formulas, inlined)
-        best_m, best, expected, path = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
+        (gain, share), o0, o1, first, g = self._shares, tm.o0, tm.o1, tm.d_first, tm.draft_step_ms(n)  # (inlined)
+        best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
         for m in range(1, k + 1):
-            path *= rates[m - 1]
-            expected += path
-            theta = expected / ((o0 + o1 * (n * expected)) + (first + m * g) + f[m] + (m + 1) * kv_ms)
+            expected += gain[m - 1]
+            verified += share[m - 1]  # validated tokens per sequence: f between its knots n, 2n, ..
+            x = verified - 1.0
+            lo = min(int(x), k - 1)
+            f_val = f[lo] + (x - lo) * (f[lo + 1] - f[lo])
+            theta = expected / ((o0 + o1 * (n * expected)) + (first + m * g) + f_val + verified * kv_ms)
             if theta > best * (1.0 + self.cfg.adaptive.min_gain):
                 best_m, best = m, theta
         if c.probe:  # back off while probing keeps confirming that drafting does not pay
@@ -168,14 +174,22 @@ class SpecPolicy:
             return np.minimum(c.max_keep, m)
         conf = token_prob if self.cfg.adaptive.estimator == "token_prob" else _matrix(self._estimates(top_prob, margin, m))
         draft_ms = c.model.draft_ms(n, m)
+        # exploration: the estimator learns only from verified drafts, and those the rule picked are
+        # the confident ones; a rotating share, chosen by step and row alone, verifies everything
+        # (observe weighs the drafts only it verified by EXPLORE_EVERY, their sampling rate)
+        first = -self.adaptive_steps % EXPLORE_EVERY  # rows first, first + EXPLORE_EVERY, ..
         if isinstance(conf, list):
-            keep = np.array(decide_small(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list))
-        else:
-            keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
-        if c.probe:  # a rotating share of sequences verifies everything drafted
-            chosen = (np.arange(len(keep)) + self.probes) % PROBE_SHARE == 0
-            keep = np.where(chosen, np.minimum(c.max_keep, m), keep)
-        return keep
+            keep = c.rule_keep = decide_small(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list)
+            self.yields.count_drafts(c.max_keep_list, m)
+            out = list(keep)
+            for i in range(first, n, EXPLORE_EVERY):
+                out[i] = min(c.max_keep_list[i], m)
+            return np.array(out)
+        keep = c.rule_keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep)
+        self.yields.count_drafts(c.max_keep, m)
+        out = keep.copy()
+        out[first::EXPLORE_EVERY] = np.minimum(c.max_keep[first::EXPLORE_EVERY], m)
+        return out
 
     def _costs(self) -> StepCosts:
         """The step's decision costs, computed on first use (a step that drafts nothing never needs them)."""
@@ -234,33 +248,41 @@ class SpecPolicy:
         OBSERVE_ROWS sequence-steps (at most OBSERVE_MAX steps): one fixed cost per batch
         instead of per step (at batch 1 a batch costs about 0.5 ms in the engine), and the
         same batches on every rank."""
+        rule = self.ctx.rule_keep if self.ctx is not None else None
         if top_prob.shape[1]:
-            self._pending.append((top_prob, margin, verified, accepted))
+            self._pending.append((top_prob, margin, verified, accepted, rule))
             self._pending_rows += len(verified)
+        if rule is not None:  # what the rule's own choice verified and got accepted
+            self.yields.count_outcomes(rule, accepted)
         self._observed += 1
         if self._observed >= OBSERVE_MAX or (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
             self._flush()
 
     def _flush(self) -> None:
+        self.yields.fold()
         if not self._pending:
             self._observed = self._pending_rows = 0
+            self._shares = self.yields.shares(prior_rates(self.calibrator))
             return
         width = max(t.shape[1] for t, *_ in self._pending)
         rows = sum(len(t) for t, *_ in self._pending)
-        top, margin = np.zeros((rows, width)), np.ones((rows, width))
+        top, margin, weights = np.zeros((rows, width)), np.ones((rows, width)), np.ones((rows, width))
         row = 0
-        for t, m, _, _ in self._pending:
+        for t, m, _, _, w in self._pending:
             top[row:row + len(t), :t.shape[1]] = t  # past a step's width nothing was verified
             margin[row:row + len(t), :t.shape[1]] = m
+            if w is not None:  # drafts verified only by exploration stand for the EXPLORE_EVERY - 1 unverified like them
+                weights[row:row + len(t), :t.shape[1]][np.arange(t.shape[1])[None, :] >= np.asarray(w)[:, None]] = \
+                    float(EXPLORE_EVERY)
             row += len(t)
-        verified = np.concatenate([v for _, _, v, _ in self._pending])
-        accepted = np.concatenate([a for *_, a in self._pending])
+        verified = np.concatenate([p[2] for p in self._pending])
+        accepted = np.concatenate([p[3] for p in self._pending])
         steps = len(self._pending)  # steps that verified something: the evidence fades once per such step
         self._pending, self._observed, self._pending_rows = [], 0, 0
         self.calibrator.update(top, verified, accepted)
         if self.cfg.adaptive.estimator == "top_prob_logistic":
-            self.logistic.update(top, margin, verified, accepted, steps=steps)
-        self._rates = self.calibrator.position_rates().tolist()
+            self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights)
+        self._shares = self.yields.shares(prior_rates(self.calibrator))
 
 
 def _matrix(cols: list) -> list[list[float]] | np.ndarray:

@@ -17,6 +17,7 @@ from controller.time_model import KINDS, FitReport, TimeModel, fit, held_out_map
 
 WINDOW = 4096  # online samples kept for refits
 RECENT = 32  # samples in the "recent error" window
+STEADY_CATCHUP = 16  # catch-up tokens per sequence beyond which a draft time is a one-off
 ERROR_GROWTH = 2.0  # refit early when recent MAPE exceeds this multiple of the fit's MAPE
 
 
@@ -33,6 +34,7 @@ class StepSample:
     draft_ms: float
     other_ms: float = 0.0  # the rest of the step (scheduling, sampling, bookkeeping); 0: not measured
     emitted: int = 0  # tokens the step emitted (sequences plus accepted drafts)
+    catchup_tokens: int = 0  # tokens the draft caught up on before its first step (0: unknown)
 
     def features(self) -> list[float]:
         return [1.0, float(self.q_tokens), float(self.kv_tokens)]
@@ -85,7 +87,9 @@ class ProfileRegistry:
             return FitReport(self.model, float("nan"), float("nan"), len(validated))
         rows = np.array([s.features() for s in validated])
         val = np.array([s.validate_ms for s in validated])
-        drafted = [s for s in data if s.draft_steps > 0]
+        # the draft cost of steady drafting: a step that first caught up on a prompt or on the tokens
+        # of steps that drafted nothing paid a one-off the budget must not expect at every step
+        drafted = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.num_seqs]
         draft_n = np.array([s.num_seqs for s in drafted], dtype=np.float64)
         draft_ms = np.array([s.draft_ms for s in drafted])
         draft_steps = np.array([s.draft_steps for s in drafted], dtype=np.float64)

@@ -148,3 +148,23 @@ def test_the_first_draft_step_is_told_apart_once_steps_draft_more_than_once():
         assert abs(model.d_first - 0.25) < 0.03, kind
         assert abs(model.draft_ms(8, 3) - (0.25 + 3 * 0.33)) < 0.05, kind
         assert model.draft_ms(8, 0) == 0.0
+
+
+def test_a_draft_that_first_caught_up_on_a_prompt_is_not_its_steady_cost():
+    """After a prompt, or after steps that drafted nothing, the first draft forward catches up
+    on hundreds of tokens. Those one-offs stay out of the draft fit (the budget expects the
+    cost of drafting step after step). Where drafting rarely pays they are nearly all the points,
+    too many for the robust fit to set aside as outliers."""
+    rng = np.random.default_rng(4)
+    reg = ProfileRegistry(refit_every=1000, initial=TimeModel(version=1))
+    reg.seed(_samples(rng, 30))
+    online = []
+    for i, s in enumerate(_samples(rng, 300)):
+        n, m = s.num_seqs, int(rng.integers(1, 4))
+        long = i % 5 < 4  # four steps in five: a long catch-up, 0.01 ms a token
+        catchup = n * int(rng.integers(50, 300)) if long else n * 3
+        ms = 0.2 + m * (0.3 + 0.01 * n) + (0.01 * catchup if long else 0.0)
+        online.append(StepSample(n, s.q_tokens, s.kv_tokens, s.validate_ms, m, ms, 0.3, n, catchup))
+    reg.add(online)
+    model = reg.refit().model
+    assert abs(model.draft_ms(8, 2) - (0.2 + 2 * 0.38)) < 0.05

@@ -36,6 +36,8 @@ class SeqState:
 
 
 class Proposer:
+    catchup_tokens = 0  # tokens the last `begin` caught up on (all sequences together)
+
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
         """Catch up and return the logits of draft 1, (n, V)."""
         raise NotImplementedError
@@ -66,6 +68,7 @@ class DraftModelProposer(Proposer):
         ids = torch.tensor([t for s in seqs for t in s.tokens[s.draft_len:]], device=device)
         self._tables, self._block_size = [s.block_table for s in seqs], block_size
         batch = AttnBatch.build(starts, lens, self._tables, block_size, device)
+        self.catchup_tokens = len(ids)
         hidden = self.model(ids, batch, self.cache)[batch.last_index]
         for s in seqs:
             s.draft_len = len(s.tokens)
@@ -103,6 +106,7 @@ class MTPProposer(Proposer):
         ids = torch.tensor([t for s, a in zip(seqs, starts) for t in s.tokens[a:]], device=device)
         self._tables, self._block_size = [s.block_table for s in seqs], block_size
         batch = AttnBatch.build(starts, lens, self._tables, block_size, device)
+        self.catchup_tokens = len(ids)
         out = self.mtp(self.target.model.embed_tokens(ids), torch.cat(hid), batch, self.cache)
         self._hidden = out[batch.last_index]  # (n, H)
         for s in seqs:

@@ -148,6 +148,7 @@ class ModelRunner:
         logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps = len(ids), draft.steps
+        stats.catchup_tokens = self.proposer.catchup_tokens if draft.steps else 0
         stats.predicted_validate_ms = ctx.model.validate_ms(keep + 1, kv)
         stats.kv_tokens = int(((keep + 1) * kv).sum())
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)

@@ -1,0 +1,58 @@
+"""What the draft budget expects of a draft position (DraftYields: the share of drafts made
+there that the keep rule verified and that were accepted), and exploration: a rotating
+share of sequences verifies everything, so the acceptance estimate also learns about the
+drafts the rule passes over."""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.config import AdaptiveConfig, SpeculativeConfig
+from controller.policy import EXPLORE_EVERY, SpecPolicy
+from controller.time_model import TimeModel
+
+N = 8
+CONFIDENT = (0.9, 0.8)  # (top probability, margin) of the one confident sequence
+UNSURE = (0.05, 0.001)  # ... and of the other seven
+# validation is dear (0.5 ms a token against 1 ms a step): the rule verifies a draft only when
+# its estimate is above about 0.7
+MODEL = TimeModel(version=1, b0=1.0, b1=0.5, d0=1.0, d1=0.0)
+
+
+def _run(unsure_rate: float, steps: int = 600) -> SpecPolicy:
+    """One draft position per step; the confident draft is always accepted, the others at unsure_rate."""
+    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=1, adaptive=AdaptiveConfig(enabled=True)))
+    policy.install(MODEL)
+    policy.last_probe = 10**9  # no probes: every step drafts the one position
+    rng = np.random.default_rng(0)
+    top = np.array([[CONFIDENT[0]]] + [[UNSURE[0]]] * (N - 1))
+    margin = np.array([[CONFIDENT[1]]] + [[UNSURE[1]]] * (N - 1))
+    for _ in range(steps):
+        policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version)
+        keep = policy.keep(top, top, margin, None)
+        right = np.concatenate([[1], rng.random(N - 1) < unsure_rate]).astype(np.int64)
+        policy.observe(top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.minimum(keep, right))
+    return policy
+
+
+def test_the_budget_expects_what_the_rule_verified_not_what_verified_drafts_did():
+    """The rule verifies the confident draft alone, and it is always accepted. Counted over
+    verified drafts a position looks like a sure thing; counted over the drafts made there it
+    brings 1/8 of a token, which does not pay for a draft step here."""
+    policy = _run(unsure_rate=0.1)
+    accepted, verified = policy._shares
+    assert abs(verified[0] - 1 / N) < 0.03 and abs(accepted[0] - 1 / N) < 0.03  # exploration's extra rows not counted
+    policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version)
+    assert policy.draft_budget(1) == 0
+    assert policy.keep(np.array([[UNSURE[0]]] * N), np.array([[UNSURE[0]]] * N), np.array([[UNSURE[1]]] * N),
+                       None).sum() == len(range(-policy.adaptive_steps % EXPLORE_EVERY, N, EXPLORE_EVERY))
+
+
+def test_exploration_teaches_the_estimate_about_drafts_the_rule_passes_over():
+    """Seven drafts in eight look unsure (top probability 0.05) but are accepted 70% of the
+    time. The rule starts out verifying none of them (0.5 said, 0.7 needed); only the
+    rotating exploration verifies some, and from those the estimate learns 0.7."""
+    policy = _run(unsure_rate=0.7)
+    est = policy.logistic.estimate(np.array([[UNSURE[0]]]), np.array([[UNSURE[1]]]))[0, 0]
+    assert abs(est - 0.7) < 0.08
+    confident = policy.logistic.estimate(np.array([[CONFIDENT[0]]]), np.array([[CONFIDENT[1]]]))[0, 0]
+    assert confident > 0.95
