@@ -57,7 +57,7 @@ class ServeConfig:
     # the app's replica answers HTTP on serve.port itself, no proxy hop (Ray Serve's throughput mode;
     # set for an embedded Ray: a cluster reached by address keeps its own setting)
     direct_ingress: bool = True
-    stream_interval_ms: float = 5.0  # the replica polls the engine at most this often (updates coalesce)
+    stream_interval_ms: float = 20.0  # a streamed request gets at most one chunk this often (updates coalesce)
 
 
 @dataclass

@@ -18,7 +18,8 @@ def test_bench_serve_smoke(ray_session, tmp_path):
     overrides = list(TEST_SIZING) + [
         "parallel.tp_size=1", "speculative.adaptive.profile_on_start=false", f"bench.serve_arms={json.dumps(ARMS)}",
         f"bench.serve_rates={RATES}", f"bench.serve_requests={REQUESTS}", "bench.max_output_len=8",
-        "bench.serve_clients=[2]"]
+        "bench.serve_clients=[2]",
+        "serve.stream_interval_ms=1"]  # 8 tokens take a few ms here: stream them in several chunks, so ITL exists
     cfg = load_config("yamls/tiny.yaml", overrides)
     result = run_sweep(cfg, "yamls/tiny.yaml", overrides, tmp_path, trace=str(tmp_path / "trace.jsonl"))
     assert result["arms"] == ARMS and result["requests"] == REQUESTS

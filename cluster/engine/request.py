@@ -1,6 +1,8 @@
 """Requests, their sequences, and what the Engine reports back."""
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import time
 from dataclasses import dataclass, field
@@ -102,6 +104,8 @@ class Sequence:
 
 @dataclass(kw_only=True)
 class RequestOutput:
+    """A sample's state after a step: its tokens so far, and those new since the last update."""
+
     request_id: str
     sample_index: int
     prompt_ids: list[int]
@@ -117,3 +121,8 @@ class RequestOutput:
     accepted: int = 0
     ttft_s: float = 0.0  # arrival to first token
     tpot_ms: float = 0.0  # mean time per output token after the first
+
+
+def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two updates of one sample as one: the later state, with the new tokens of both."""
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)

@@ -8,11 +8,10 @@ so the model never shares an interpreter lock with the HTTP event loop.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 
-from cluster.engine.request import RequestOutput, RequestParams
+from cluster.engine.request import RequestOutput, RequestParams, coalesce
 
 log = logging.getLogger("adaspec.engine_loop")
 IDLE_WAIT_S = 0.005  # pause when the engine has work but could schedule nothing
@@ -119,6 +118,6 @@ class EngineLoop:
                 key = (out.request_id, out.sample_index)
                 earlier = self._outbox.get(key)
                 if earlier is not None:
-                    out = dataclasses.replace(out, new_token_ids=earlier.new_token_ids + out.new_token_ids)
+                    out = coalesce(earlier, out)
                 self._outbox[key] = out
             self._outbox_cond.notify_all()
