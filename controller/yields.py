@@ -25,34 +25,18 @@ class DraftYields:
 
     def count_drafts(self, max_keep, m: int) -> None:
         """A step's drafts: sequence i drafted min(m, max_keep[i]) it could verify (a list or an array)."""
-        drafted = self._pending[0]
-        drafted.extend([0] * (m - len(drafted)))
-        if isinstance(max_keep, list):
-            for cap in max_keep:
-                for j in range(min(m, cap)):
-                    drafted[j] += 1
-        else:
-            for j in range(m):
-                drafted[j] += int((max_keep > j).sum())
+        _add_at_least(self._pending[0], _histogram(max_keep, m), len(max_keep))
 
     def count_outcomes(self, rule, accepted: np.ndarray) -> None:
         """The drafts the rule chose to verify (a list or an array, per sequence) and, of those,
         accepted (`accepted` may count more: drafts only exploration verified)."""
-        kept, got = self._pending[1], self._pending[2]
         width = max(rule) if isinstance(rule, list) else int(rule.max(initial=0))
-        kept.extend([0] * (width - len(kept)))
-        got.extend([0] * (width - len(got)))
         if isinstance(rule, list):
-            for r, a in zip(rule, accepted.tolist()):
-                for j in range(r):
-                    kept[j] += 1
-                for j in range(min(a, r)):
-                    got[j] += 1
-            return
-        accepted = np.minimum(accepted, rule)
-        for j in range(width):
-            kept[j] += int((rule > j).sum())
-            got[j] += int((accepted > j).sum())
+            got = [min(a, r) for a, r in zip(accepted.tolist(), rule)]
+        else:
+            got = np.minimum(accepted, rule)
+        _add_at_least(self._pending[1], _histogram(rule, width), len(rule))
+        _add_at_least(self._pending[2], _histogram(got, width), len(rule))
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
@@ -74,6 +58,26 @@ class DraftYields:
         accepted = (self.accepted + PRIOR_WEIGHT * np.cumprod(prior_rates)) / (self.drafted + PRIOR_WEIGHT)
         kept = (self.kept + PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
         return accepted.tolist(), kept.tolist()
+
+
+def _histogram(values, width: int) -> list[int]:
+    """How many of `values` (a list or an array) equal 0, 1, .., width (larger ones count as width)."""
+    if isinstance(values, list):
+        hist = [0] * (width + 1)
+        for v in values:
+            hist[min(v, width)] += 1
+        return hist
+    return np.bincount(np.minimum(values, width), minlength=width + 1).tolist()
+
+
+def _add_at_least(counts: list, hist: list[int], n: int) -> None:
+    """counts[j] += how many values are above j, for j < width (from their histogram)."""
+    width = len(hist) - 1
+    counts.extend([0] * (width - len(counts)))
+    below = 0
+    for j in range(width):
+        below += hist[j]
+        counts[j] += n - below
 
 
 def prior_rates(calibrator: Calibrator) -> np.ndarray:
