@@ -25,7 +25,7 @@ from controller.yields import DraftYields, prior_rates
 MODES = ("static", "adaptive", "oracle")
 PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
 PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding that drafting does not pay ...
-EXPLORE_EVERY = 4  # at every adaptive step, every 4th sequence (rotating) verifies everything drafted
+EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verifies everything drafted
 OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at least this many steps ...
 OBSERVE_ROWS = 256  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 256  # ... but never more steps than this
@@ -252,8 +252,8 @@ class SpecPolicy:
         if top_prob.shape[1]:
             self._pending.append((top_prob, margin, verified, accepted, rule))
             self._pending_rows += len(verified)
-        if rule is not None:  # what the rule's own choice verified and got accepted
-            self.yields.count_outcomes(rule, accepted)
+        if rule is not None:  # what the step verified (the rule's choice and exploration's) and got accepted
+            self.yields.count_outcomes(verified.tolist() if len(verified) <= SMALL else verified, accepted)
         self._observed += 1
         if self._observed >= OBSERVE_MAX or (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
             self._flush()

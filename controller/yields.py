@@ -1,6 +1,9 @@
 """What the draft budget expects of a draft position: the share of the drafts made there
-that the keep rule verified and the share that were accepted, counted over every draft
-made, verified or not.
+that were verified (the keep rule's choice and exploration's) and the share that were
+accepted, counted over every draft made, verified or not: what drafting there cost and
+brought. Counting the rule's choice alone hid exploration's validations from the budget,
+and in the simulator at batch 256 (Llama-3-70B, 8 x H200) adaptive drafted and ran 0.90x
+plain decoding.
 
 The calibrator's observed rates count only verified drafts, which the rule picked for their
 confidence: at batch 8 those were accepted 89% of the time while the rule verified one draft
@@ -28,8 +31,7 @@ class DraftYields:
         _add_at_least(self._pending[0], _histogram(max_keep, m), len(max_keep))
 
     def count_outcomes(self, rule, accepted: np.ndarray) -> None:
-        """The drafts the rule chose to verify (a list or an array, per sequence) and, of those,
-        accepted (`accepted` may count more: drafts only exploration verified)."""
+        """Drafts verified per sequence (a list or an array) and, of those, accepted."""
         width = max(rule) if isinstance(rule, list) else int(rule.max(initial=0))
         if isinstance(rule, list):
             got = [min(a, r) for a, r in zip(accepted.tolist(), rule)]
