@@ -59,7 +59,7 @@ class SpecPolicy:
         self.probe_every = PROBE_EVERY
         self.last_probe = -PROBE_EVERY  # the first adaptive step probes
         self.ctx: StepContext | None = None
-        self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted) not yet in the calibrators
+        self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
         self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
         self._shares = self.yields.shares(prior_rates(self.calibrator))  # the budget's, as of the last batch
@@ -117,8 +117,8 @@ class SpecPolicy:
     def draft_budget(self, k: int) -> int:
         """How many draft steps to run: the m in 0..k that maximises the estimated
         throughput n (1 + y_1 + .. + y_m) / (T_draft(m) + T_val(n (1 + v_1 + .. + v_m)) + T_other),
-        y_j and v_j the shares of drafts at position j that were accepted and that the keep rule
-        verified (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
+        y_j and v_j the shares of drafts at position j that were accepted and that were verified
+        (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
         every rank). 0 means a plain decode step."""
         c = self.ctx
         if c.mode != "adaptive" or k == 0:

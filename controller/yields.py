@@ -1,9 +1,7 @@
 """What the draft budget expects of a draft position: the share of the drafts made there
 that were verified (the keep rule's choice and exploration's) and the share that were
 accepted, counted over every draft made, verified or not: what drafting there cost and
-brought. Counting the rule's choice alone hid exploration's validations from the budget,
-and in the simulator at batch 256 (Llama-3-70B, 8 x H200) adaptive drafted and ran 0.90x
-plain decoding.
+brought, exploration's validations included.
 
 The calibrator's observed rates count only verified drafts, which the rule picked for their
 confidence: at batch 8 those were accepted 89% of the time while the rule verified one draft
@@ -22,7 +20,7 @@ from controller.estimators import HALVE_AT, PRIOR_WEIGHT, Calibrator
 class DraftYields:
     def __init__(self, k: int):
         self.drafted = np.zeros(k)
-        self.kept = np.zeros(k)
+        self.verified = np.zeros(k)
         self.accepted = np.zeros(k)
         self._pending = [[], [], []]  # the same three per position, since the last fold (Python ints)
 
@@ -30,15 +28,13 @@ class DraftYields:
         """A step's drafts: sequence i drafted min(m, max_keep[i]) it could verify (a list or an array)."""
         _add_at_least(self._pending[0], _histogram(max_keep, m), len(max_keep))
 
-    def count_outcomes(self, rule, accepted: np.ndarray) -> None:
-        """Drafts verified per sequence (a list or an array) and, of those, accepted."""
-        width = max(rule) if isinstance(rule, list) else int(rule.max(initial=0))
-        if isinstance(rule, list):
-            got = [min(a, r) for a, r in zip(accepted.tolist(), rule)]
-        else:
-            got = np.minimum(accepted, rule)
-        _add_at_least(self._pending[1], _histogram(rule, width), len(rule))
-        _add_at_least(self._pending[2], _histogram(got, width), len(rule))
+    def count_outcomes(self, verified, accepted: np.ndarray) -> None:
+        """Drafts verified per sequence (a list or an array) and, of those, accepted (an array)."""
+        width = max(verified) if isinstance(verified, list) else int(verified.max(initial=0))
+        if isinstance(verified, list):
+            accepted = accepted.tolist()
+        _add_at_least(self._pending[1], _histogram(verified, width), len(verified))
+        _add_at_least(self._pending[2], _histogram(accepted, width), len(verified))
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
@@ -46,19 +42,19 @@ class DraftYields:
         if not drafted:
             return
         m = len(drafted)
-        for total, new in ((self.drafted, drafted), (self.kept, kept), (self.accepted, accepted)):
+        for total, new in ((self.drafted, drafted), (self.verified, kept), (self.accepted, accepted)):
             total[:len(new[:m])] += new[:m]
         self._pending = [[], [], []]
         full = self.drafted >= HALVE_AT
         if full.any():
-            for a in (self.drafted, self.kept, self.accepted):
+            for a in (self.drafted, self.verified, self.accepted):
                 a[full] /= 2
 
     def shares(self, prior_rates: np.ndarray) -> tuple[list[float], list[float]]:
         """(accepted, verified) shares per position; before data (PRIOR_WEIGHT pseudo-drafts)
         every draft verified and accepted at the product of the prior's conditional rates."""
         accepted = (self.accepted + PRIOR_WEIGHT * np.cumprod(prior_rates)) / (self.drafted + PRIOR_WEIGHT)
-        kept = (self.kept + PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
+        kept = (self.verified + PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
         return accepted.tolist(), kept.tolist()
 
 

@@ -1,11 +1,9 @@
 """Requests, their sequences, and what the Engine reports back."""
 from __future__ import annotations
 
-import dataclasses
-
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.engine.detokenizer import IncrementalText
 from workers.plan import SamplingParams
@@ -125,4 +123,4 @@ class RequestOutput:
 
 def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two updates of one sample as one: the later state, with the new tokens of both."""
-    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)
+    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)
