@@ -28,7 +28,10 @@ class ConfigError(ValueError):
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64  # sequences decoded together
-    max_prefill_tokens: int = 2048  # prompt tokens per prefill step (longer prompts are chunked)
+    # prompt tokens per prefill step (longer prompts are chunked). 512 prefills as fast as 2048 here
+    # (a 48-prompt burst: 253-297 vs 244-258 ms), and a step that ends sooner hands out first tokens
+    # sooner: a served burst of 48 requests, TTFT p50 235-262 ms vs 279-387 at 2048
+    max_prefill_tokens: int = 512
     max_waiting: int = 1024  # queued requests beyond this are refused
     digest_every: int = 1  # compare rank digests every N steps; 0 never
     trace_path: str | None = None  # append one JSON line per decode step here (cluster/engine/trace.py)
@@ -57,7 +60,7 @@ class ServeConfig:
     # the app's replica answers HTTP on serve.port itself, no proxy hop (Ray Serve's throughput mode;
     # set for an embedded Ray: a cluster reached by address keeps its own setting)
     direct_ingress: bool = True
-    stream_interval_ms: float = 20.0  # a streamed request gets at most one chunk this often (updates coalesce)
+    stream_interval_ms: float = 20.0  # a stream gets at most one chunk this often (updates coalesce); first text and end at once
 
 
 @dataclass

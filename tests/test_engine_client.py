@@ -1,59 +1,60 @@
-"""The replica's poller without Ray: an engine actor stand-in answers each poll at once.
-Polls come FIRST_POLL_INTERVAL_S apart while a request waits for its first token, and
-serve.stream_interval_ms apart once every request has one (each poll costs the engine's
-process a Ray call; what arrives meanwhile comes coalesced in the next poll)."""
+"""The engine loop's poll pacing, with a stand-in engine that emits one token of one request
+per step: a poll asked for an interval returns at most that often while a stream runs, but a
+sample's first text and its end come at once (a client waits on the one, and sends its next
+request after the other)."""
 from __future__ import annotations
 
-import asyncio
+import time
+from types import SimpleNamespace
 
 import numpy as np
 
 from cluster.engine.request import RequestOutput
-from cluster.serving.engine_client import FIRST_POLL_INTERVAL_S, EngineClient, RequestStream
+from cluster.serving.engine_loop import EngineLoop
 
-INTERVAL_S = 0.1  # the stream interval under test: far from FIRST_POLL_INTERVAL_S, so timing noise cannot blur them
-FIRST_AT = 10  # the poll that brings the first token
-
-
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(self.fn(*args))
-        return future
+STEP_S = 0.004
+INTERVAL_S = 0.1  # far above STEP_S, so timing noise cannot blur "at once" and "after the interval"
+TEXTS = ["", "", "a"] + ["a" * i for i in range(2, 80)]  # the first two tokens decode to no text yet
+FIRST_TEXT = 3  # the step whose output first has text
 
 
-class _Actor:
+class _Engine:
+    decoder = object()  # it has a tokenizer: "first text" means text, not the first token
+
     def __init__(self):
-        self.times: list[float] = []
-        self.poll = _Method(self._poll)
+        self.stats = SimpleNamespace(steps=0)
+        self.published: list[float] = []
 
-    def _poll(self, timeout_s):
-        self.times.append(asyncio.get_running_loop().time())
-        calls = len(self.times)
-        if calls < FIRST_AT:
-            return []
-        return [RequestOutput(request_id="r", sample_index=0, prompt_ids=[1], token_ids=[5] * (calls - FIRST_AT + 1),
-                              text="", finished=calls == FIRST_AT + 3, finish_reason=None, new_token_ids=[5])]
+    def has_work(self) -> bool:
+        return self.stats.steps < len(TEXTS)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(STEP_S)
+        self.stats.steps += 1
+        i = self.stats.steps
+        self.published.append(time.monotonic())
+        return [RequestOutput(request_id="r", sample_index=0, prompt_ids=[1], token_ids=[5] * i, text=TEXTS[i - 1],
+                              finished=i == len(TEXTS), finish_reason="length" if i == len(TEXTS) else None,
+                              new_token_ids=[5])]
 
 
-def test_polls_come_close_until_the_first_token_then_at_the_stream_interval():
-    async def run():
-        client = EngineClient.__new__(EngineClient)
-        client.actor, client.error, client.poll_interval_s = _Actor(), None, INTERVAL_S
-        stream = RequestStream("r", 1)
-        client._streams = {"r": stream}
-        client._poller = None
-        client._start_poller()
-        outputs = [out async for out in stream]
-        client._poller.cancel()
-        return client.actor.times, outputs
-
-    times, outputs = asyncio.run(run())
-    gaps = np.diff(times)
-    waiting, streaming = gaps[:FIRST_AT - 1], gaps[FIRST_AT:]
-    assert np.median(waiting) < INTERVAL_S / 2 and waiting.min() >= FIRST_POLL_INTERVAL_S * 0.9
-    assert len(streaming) >= 2 and streaming.min() >= INTERVAL_S * 0.95
-    assert [len(o.token_ids) for o in outputs] == [1, 2, 3, 4] and outputs[-1].finished
+def test_polls_keep_the_interval_but_let_a_first_text_and_an_end_through_at_once():
+    engine = _Engine()
+    loop = EngineLoop(engine)
+    try:
+        polls: list[tuple[float, RequestOutput]] = []
+        while not (polls and polls[-1][1].finished):
+            for out in loop.poll(5.0, INTERVAL_S):
+                polls.append((time.monotonic(), out))
+    finally:
+        loop.shutdown()
+    returned = np.array([t for t, _ in polls])
+    steps = [len(out.token_ids) for _, out in polls]
+    first_text = next(k for k, (_, out) in enumerate(polls) if out.text)
+    assert steps[first_text] == FIRST_TEXT  # not coalesced with later steps: it came at once
+    assert returned[first_text] - engine.published[FIRST_TEXT - 1] < INTERVAL_S / 2
+    assert returned[-1] - engine.published[-1] < INTERVAL_S / 2  # the end, at once
+    streaming = np.diff(returned[first_text:-1])
+    assert len(streaming) >= 2 and streaming.min() >= INTERVAL_S * 0.95  # in between, the interval
+    joined = [t for _, out in polls for t in out.new_token_ids]
+    assert joined == polls[-1][1].token_ids  # coalesced updates lose no token

@@ -5,7 +5,8 @@ rank right there; larger TP sizes start their worker actors from it). `EngineCli
 the HTTP replica, gives each request an asyncio stream of RequestOutput updates. One
 poller task per replica long-polls the actor: a single Ray call brings the updates of every
 request since the last poll, so the HTTP side never carries one object per token and the
-model's process never waits on the HTTP event loop's interpreter lock.
+model's process never waits on the HTTP event loop's interpreter lock. Polls return at most
+every `serve.stream_interval_ms`, except that a first text or an end comes at once.
 
 Requests are tokenized in the replica; a request whose client goes away is aborted in the
 engine (`EngineClient.abort`, called by the routes when a stream is closed early).
@@ -24,8 +25,7 @@ from cluster.engine.request import RequestOutput, RequestParams
 from cluster.serving.engine_loop import EngineDeadError, EngineLoop
 
 log = logging.getLogger("adaspec.engine_client")
-POLL_WAIT_S = 1.0  # a poll returns at once when there are updates, else after this long
-FIRST_POLL_INTERVAL_S = 0.005  # polls follow each other this closely while a request waits for its first token
+POLL_WAIT_S = 1.0  # a poll with nothing to bring returns after this long
 MAX_CONCURRENT_CALLS = 32  # actor threads: one long poll, adds, aborts and metric scrapes
 SWITCH_INTERVAL_S = 0.001
 
@@ -59,8 +59,8 @@ class EngineActor:
     def abort(self, request_id: str) -> int:
         return self.loop.abort(request_id)
 
-    def poll(self, timeout_s: float) -> list[RequestOutput]:
-        return self.loop.poll(timeout_s)
+    def poll(self, timeout_s: float, interval_s: float) -> list[RequestOutput]:
+        return self.loop.poll(timeout_s, interval_s)
 
     def state(self):
         from cluster.serving.metrics import engine_state
@@ -83,7 +83,6 @@ class RequestStream:
     n: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: set = field(default_factory=set)  # sample indices done
-    started: bool = False  # an update has arrived
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -201,11 +200,13 @@ class EngineClient:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def _poll(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
+            # the actor holds each poll until stream_interval_ms after the last one (each costs the
+            # engine's process a Ray call: at one client, polls every 5 ms kept a stream at 0.5-0.6x
+            # of the engine offline, every 20 ms at 0.7-0.9x), but lets a first text or an end
+            # through at once: a client waits on the one, and sends its next request after the other
             try:
-                updates = await self.actor.poll.remote(POLL_WAIT_S)
+                updates = await self.actor.poll.remote(POLL_WAIT_S, self.poll_interval_s)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the loop or the actor died: fail every stream
@@ -221,15 +222,7 @@ class EngineClient:
                     stream.finished.add(out.sample_index)
                     if stream.done:
                         self._streams.pop(out.request_id, None)
-                stream.started = True
                 stream.queue.put_nowait(out)
-            # at most one poll per interval: each costs the engine's process a Ray call (at one
-            # client, polls every 5 ms kept a stream at 0.5-0.6x of the engine offline, every 20 ms
-            # at 0.7-0.9x), and what arrives meanwhile comes coalesced in the next one; while a
-            # request waits for its first token, polls come closer, so batching costs no TTFT
-            waiting = any(not s.started for s in self._streams.values())
-            interval = min(FIRST_POLL_INTERVAL_S, self.poll_interval_s) if waiting else self.poll_interval_s
-            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = list(self._streams.values()), {}

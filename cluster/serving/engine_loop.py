@@ -2,6 +2,8 @@
 Engine only through `call` (under the lock, let in ahead of the next step) and collect
 what the steps produced with `poll`, a long poll that returns every update since the last
 one, coalesced per sample: a slow reader gets fewer, larger updates instead of a backlog.
+A poll may ask for a pause since the last one (fewer, larger chunks); a sample's first text
+and its end are let through at once, since a client waits on each.
 
 It runs inside the engine actor (cluster/serving/engine_client.py), a process of its own,
 so the model never shares an interpreter lock with the HTTP event loop.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from cluster.engine.request import RequestOutput, RequestParams, coalesce
 
@@ -33,6 +36,9 @@ class EngineLoop:
         self._stopped = False
         self._outbox: dict[tuple[str, int], RequestOutput] = {}
         self._outbox_cond = threading.Condition()
+        self._urgent = False  # the outbox holds a first text or an end
+        self._texted: set[tuple[str, int]] = set()  # samples whose text has started
+        self._returned = 0.0  # when the last poll returned
         self._thread = threading.Thread(target=self._run, name="adaspec-engine-loop", daemon=True)
         self._thread.start()
 
@@ -56,16 +62,28 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> int:
         """Drop a request's samples (its client went away); their updates stop."""
-        return self.call(self.engine.abort, request_id)
-
-    def poll(self, timeout_s: float) -> list[RequestOutput]:
-        """Every update since the last poll (waiting up to timeout_s for one): per sample the
-        newest output, its new_token_ids holding all tokens since the last poll."""
+        dropped = self.call(self.engine.abort, request_id)
         with self._outbox_cond:
-            self._outbox_cond.wait_for(lambda: self._outbox or not self.is_alive(), timeout_s)
+            self._texted = {key for key in self._texted if key[0] != request_id}
+        return dropped
+
+    def poll(self, timeout_s: float, interval_s: float = 0.0) -> list[RequestOutput]:
+        """Every update since the last poll: per sample the newest output, its new_token_ids
+        holding all tokens since the last poll. Returns once there are updates and interval_s
+        has passed since the last poll returned, at once for a first text or an end, and
+        after timeout_s with whatever there is (perhaps nothing)."""
+        start = time.monotonic()
+        ready_at, give_up = self._returned + interval_s, start + timeout_s
+        with self._outbox_cond:
+            while True:
+                now = time.monotonic()
+                if not self.is_alive() or self._urgent or (self._outbox and now >= ready_at) or now >= give_up:
+                    break
+                self._outbox_cond.wait((min(ready_at, give_up) if self._outbox else give_up) - now)
             if not self._outbox and not self.is_alive():
                 raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
-            updates, self._outbox = list(self._outbox.values()), {}
+            updates, self._outbox, self._urgent = list(self._outbox.values()), {}, False
+            self._returned = time.monotonic()
         return updates
 
     def is_alive(self) -> bool:
@@ -113,11 +131,20 @@ class EngineLoop:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
+        textless = self.engine.decoder is None  # token ids only: the first update is the first "text"
         with self._outbox_cond:
+            wake = not self._outbox  # else a waiting poll has its own deadline: no need to wake it every step
             for out in outputs:
                 key = (out.request_id, out.sample_index)
+                if out.finished:
+                    self._urgent = True
+                    self._texted.discard(key)
+                elif key not in self._texted and (out.text or textless):
+                    self._urgent = True
+                    self._texted.add(key)
                 earlier = self._outbox.get(key)
                 if earlier is not None:
                     out = coalesce(earlier, out)
                 self._outbox[key] = out
-            self._outbox_cond.notify_all()
+            if wake or self._urgent:
+                self._outbox_cond.notify_all()

@@ -111,9 +111,10 @@ def response_body(kind: str, rid: str, model: str, created: int, outputs: list[R
 
 
 def stable_prefix(text: str, stop: tuple[str, ...]) -> str:
-    """What of an unfinished text can be sent now: not a trailing partial UTF-8 character,
-    whitespace a later token may merge with, or the start of a stop string."""
-    text = text.rstrip("\ufffd").rstrip()
+    """What of an unfinished text can be sent now: not a trailing partial UTF-8 character or
+    the start of a stop string. The engine's text only grows (cluster/engine/detokenizer.py),
+    so trailing whitespace goes out at once (held back, it delayed a first chunk by a poll)."""
+    text = text.rstrip("\ufffd")
     for s in stop:
         for k in range(min(len(s) - 1, len(text)), 0, -1):
             if text.endswith(s[:k]):
