@@ -197,6 +197,8 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
     results; tests check it). Small batches decide once per draft step, so this is on the
     hot path at batch 1."""
     n, ctx = len(conf), costs.ctx_list
+    if n == 1:
+        return [decide_one(conf[0], costs, min_gain, draft_ms, None if max_keep is None else max_keep[0])]
     cands = []  # (a, j, i)
     for i, row in enumerate(conf):
         acc = CONF_ONE
@@ -221,9 +223,7 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
         count, score = _best_prefix(theta, min_gain)
         return ranked, count, score, *totals[count]
 
-    if n == 1:  # one sequence: its path probabilities already fall with j
-        ranked, count, *_ = best_of(cands)
-    elif costs.uniform:
+    if costs.uniform:
         ranked, count, *_ = best_of(sorted(cands, key=lambda c: (-c[0], c[1], c[2])))
     else:
         s = max((f[len(cands)] - f[0]) // max(len(cands), 1), 1)
@@ -241,6 +241,29 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
     for _, _, i in ranked[:count]:
         keep[i] += 1
     return keep
+
+
+def decide_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: float, max_keep: int | None) -> int:
+    """decide_small for a single sequence, whose path probabilities already fall with j (so
+    the ranking is the drafts' order): the same arithmetic in one pass, without candidate
+    lists. At batch 1 the decision runs once per draft step, and this path costs a third."""
+    f, o, ctx = costs.f_list, costs.per_token, costs.ctx_list[0]
+    t = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum
+    e = acc = CONF_ONE
+    best, count = e / max(t + f[0] + ((o * e) >> CONF_BITS), 1), 0
+    scale, divisor = 1.0 + min_gain, 1.0  # as _best_prefix: prefix m scores Theta_m / (1 + g)^m
+    for m, c in enumerate(conf if max_keep is None else conf[:max_keep], 1):
+        acc = (acc * min(max(int(round(c * CONF_ONE)), 0), CONF_ONE)) >> CONF_BITS
+        if acc <= 0:
+            break
+        e, t = e + acc, t + ctx
+        theta = e / max(t + f[m] + ((o * e) >> CONF_BITS), 1)
+        if min_gain:
+            divisor *= scale
+            theta /= divisor
+        if theta > best:  # ties keep the shorter prefix
+            best, count = theta, m
+    return count
 
 
 if __name__ == "__main__":  # python -m controller.decision: the decision's cost per call

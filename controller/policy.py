@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, StepCosts, decide_small, decide_with, f_table, step_costs
+from controller.decision import SMALL, StepCosts, decide_one, decide_small, decide_with, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.time_model import TimeModel
 from controller.yields import DraftYields, prior_rates
@@ -44,6 +44,7 @@ class StepContext:
     costs: StepCosts | None = None  # adaptive steps: the decision's time terms
     rule_keep: list | np.ndarray | None = None  # adaptive steps: what the keep rule chose (before exploration)
     conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
+    draft_step_ms: float | None = None  # the time model's g(n), asked once per draft step
 
 
 class SpecPolicy:
@@ -154,7 +155,11 @@ class SpecPolicy:
             return True
         n = len(c.kv)
         cols = self._estimates(top_prob, margin, j)
-        draft_ms = c.model.draft_ms(n, j + 1)  # predicted, never measured: same on every rank
+        draft_ms = self._draft_ms(j + 1)  # predicted, never measured: same on every rank
+        if n == 1 and isinstance(cols[0], list):  # batch 1: one row, in draft order
+            row = [col[0] for col in cols]
+            row.append(1.0)
+            return decide_one(row, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list[0]) > j
         if isinstance(cols[0], list):  # small batch: plain Python end to end
             rows = [row + [1.0] for row in _matrix(cols)]
             keep = decide_small(rows, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list, False)
@@ -173,7 +178,7 @@ class SpecPolicy:
         if c.mode == "static" or m == 0:
             return np.minimum(c.max_keep, m)
         conf = token_prob if self.cfg.adaptive.estimator == "token_prob" else _matrix(self._estimates(top_prob, margin, m))
-        draft_ms = c.model.draft_ms(n, m)
+        draft_ms = self._draft_ms(m)
         # exploration: the estimator learns only from verified drafts, and those the rule picked are
         # the confident ones; a rotating share, chosen by step and row alone, verifies everything
         # (observe weighs the drafts only it verified by EXPLORE_EVERY, their sampling rate)
@@ -198,6 +203,15 @@ class SpecPolicy:
             extra = len(c.kv) * c.kmax
             c.costs = step_costs(c.model, c.kv, extra, self._f(c.model, "decide", len(c.kv), extra))
         return c.costs
+
+    def _draft_ms(self, steps: int) -> float:
+        """The time model's draft_ms(n, steps), with g(n) looked up once per step."""
+        c = self.ctx
+        if steps <= 0:
+            return 0.0
+        if c.draft_step_ms is None:
+            c.draft_step_ms = c.model.draft_step_ms(len(c.kv))
+        return c.model.d_first + steps * c.draft_step_ms
 
     def _f(self, tm: TimeModel, use: str, n: int, extra: int):
         """Values of f that steps of one batch size ask again and again, computed once per
