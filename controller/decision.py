@@ -153,8 +153,20 @@ def _draft_units(draft_ms: float) -> int:
 REFINE_ROUNDS = 4  # Dinkelbach rounds after the ratio order (context costs only); 1-2 suffice in practice
 
 
+def decide_scored(confidence, costs: StepCosts, min_gain: float, draft_ms: float,
+                  max_keep: np.ndarray | list | None) -> tuple[np.ndarray | list[int], float]:
+    """The keep set in the ratio order (refine=False) and its score, Theta / (1 + min_gain)^kept:
+    the early stop compares the best it can do with and without another draft step."""
+    n = len(confidence)
+    if n * len(confidence[0]) <= SMALL:
+        conf = confidence if isinstance(confidence, list) else np.asarray(confidence).tolist()
+        cap = None if max_keep is None or isinstance(max_keep, list) else np.asarray(max_keep).tolist()
+        return decide_small(conf, costs, min_gain, draft_ms, max_keep if cap is None else cap, False, True)
+    return _decide_numpy(np.asarray(confidence, dtype=np.float64), costs, min_gain, draft_ms, max_keep, False, True)
+
+
 def _decide_numpy(confidence: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float,
-                  max_keep: np.ndarray | None, refine: bool = True) -> np.ndarray:
+                  max_keep: np.ndarray | None, refine: bool = True, scored: bool = False):
     n, k = confidence.shape
     a = path_probs(quantize(confidence))  # (n, k)
     if max_keep is not None:
@@ -175,7 +187,7 @@ def _decide_numpy(confidence: np.ndarray, costs: StepCosts, min_gain: float, dra
         return order % n, count, score, int(e[count]), int(t[count])
 
     if costs.uniform:
-        seq, count, *_ = best_of(a_jmajor)
+        seq, count, score, *_ = best_of(a_jmajor)
     else:
         ctx_jmajor = np.tile(ctx, k)
         s = max((int(f[-1]) - int(f[0])) // max(live, 1), 1)
@@ -188,17 +200,19 @@ def _decide_numpy(confidence: np.ndarray, costs: StepCosts, min_gain: float, dra
             if got[2] <= score:
                 break
             seq, count, score, e, t = got
-    return np.bincount(seq[:count], minlength=n).astype(np.int64)
+    keep = np.bincount(seq[:count], minlength=n).astype(np.int64)
+    return (keep, score) if scored else keep
 
 
 def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, draft_ms: float,
-                  max_keep: list[int] | None, refine: bool = True) -> list[int]:
+                  max_keep: list[int] | None, refine: bool = True, scored: bool = False):
     """The same rule and the same arithmetic as `_decide_numpy`, in plain Python (equal
     results; tests check it). Small batches decide once per draft step, so this is on the
     hot path at batch 1."""
     n, ctx = len(conf), costs.ctx_list
     if n == 1:
-        return [decide_one(conf[0], costs, min_gain, draft_ms, None if max_keep is None else max_keep[0])]
+        count, score = best_one(conf[0], costs, min_gain, draft_ms, None if max_keep is None else max_keep[0])
+        return ([count], score) if scored else [count]
     cands = []  # (a, j, i)
     for i, row in enumerate(conf):
         acc = CONF_ONE
@@ -224,7 +238,7 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
         return ranked, count, score, *totals[count]
 
     if costs.uniform:
-        ranked, count, *_ = best_of(sorted(cands, key=lambda c: (-c[0], c[1], c[2])))
+        ranked, count, score, *_ = best_of(sorted(cands, key=lambda c: (-c[0], c[1], c[2])))
     else:
         s = max((f[len(cands)] - f[0]) // max(len(cands), 1), 1)
         ranked, count, score, e, t = best_of(sorted(cands, key=lambda c: (-((c[0] << RATIO_BITS) // (s + ctx[c[2]])),
@@ -240,13 +254,19 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
     keep = [0] * n
     for _, _, i in ranked[:count]:
         keep[i] += 1
-    return keep
+    return (keep, score) if scored else keep
 
 
 def decide_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: float, max_keep: int | None) -> int:
     """decide_small for a single sequence, whose path probabilities already fall with j (so
     the ranking is the drafts' order): the same arithmetic in one pass, without candidate
     lists. At batch 1 the decision runs once per draft step, and this path costs a third."""
+    return best_one(conf, costs, min_gain, draft_ms, max_keep)[0]
+
+
+def best_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: float,
+             max_keep: int | None) -> tuple[int, float]:
+    """decide_one's keep count and its score (Theta over (1 + min_gain)^count)."""
     f, o, ctx = costs.f_list, costs.per_token, costs.ctx_list[0]
     t = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum
     e = acc = CONF_ONE
@@ -263,7 +283,7 @@ def decide_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: f
             theta /= divisor
         if theta > best:  # ties keep the shorter prefix
             best, count = theta, m
-    return count
+    return count, best
 
 
 if __name__ == "__main__":  # python -m controller.decision: the decision's cost per call

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, StepCosts, decide_one, decide_small, decide_with, f_table, step_costs
+from controller.decision import SMALL, StepCosts, decide_small, decide_with, f_table, step_costs
+from controller.early_stop import worth_drafting
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.time_model import TimeModel
 from controller.yields import DraftYields, prior_rates
@@ -63,7 +64,7 @@ class SpecPolicy:
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
         self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
-        self._shares = self.yields.shares(prior_rates(self.calibrator))  # the budget's, as of the last batch
+        self._set_rates()
         self._f_cache: dict[tuple, tuple] = {}  # f values a time model gives a batch size (see _f)
 
     # ------------------------------------------------------------------ time models
@@ -141,11 +142,15 @@ class SpecPolicy:
         if c.probe:  # back off while probing keeps confirming that drafting does not pay
             self.probe_every = min(PROBE_MAX_EVERY, self.probe_every * 2) if best_m == 0 else PROBE_EVERY
             return min(k, best_m + 1)
-        return best_m
+        # one position of headroom: the early stop, which sees each step's drafts, decides on it
+        # (at batch 1 the budget alone stopped at 2 of 3 drafts static-3 verifies to its gain)
+        return min(k, best_m + 1) if best_m and self.cfg.adaptive.early_stop else best_m
 
     def keep_drafting(self, top_prob: list[np.ndarray], margin: list[np.ndarray], tokens: list[np.ndarray]) -> bool:
         """After j draft steps (top_prob, margin, tokens: j columns of (n,)), is draft j+1
-        worth drafting? adaptive: only if some sequence would keep it even with confidence 1;
+        worth drafting? adaptive: only if the best keep set with it, each sequence's next
+        draft at its position's observed conditional acceptance (one step ahead; the draft
+        itself is not known yet), beats the best without it and without its draft step;
         oracle: only if some sequence still matches the reference."""
         c = self.ctx
         j = len(top_prob)
@@ -153,20 +158,10 @@ class SpecPolicy:
             return bool((self._oracle_match(np.stack([np.asarray(t) for t in tokens], 1)) >= j).any())
         if c.mode != "adaptive" or c.probe or not self.cfg.adaptive.early_stop:
             return True
-        n = len(c.kv)
         cols = self._estimates(top_prob, margin, j)
-        draft_ms = self._draft_ms(j + 1)  # predicted, never measured: same on every rank
-        if n == 1 and isinstance(cols[0], list):  # batch 1: one row, in draft order
-            row = [col[0] for col in cols]
-            row.append(1.0)
-            return decide_one(row, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list[0]) > j
-        if isinstance(cols[0], list):  # small batch: plain Python end to end
-            rows = [row + [1.0] for row in _matrix(cols)]
-            keep = decide_small(rows, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep_list, False)
-            return max(keep) > j
-        conf = np.stack(cols + [np.ones(n)], 1)
-        keep = decide_with(conf, self._costs(), self.cfg.adaptive.min_gain, draft_ms, c.max_keep, refine=False)
-        return bool(keep.max() > j)
+        # draft times are predicted, never measured: the same on every rank
+        return worth_drafting(cols, self._costs(), self.cfg.adaptive.min_gain, self._draft_ms(j), self._draft_ms(j + 1),
+                              self._next_rates[j], c.max_keep_list if isinstance(cols[0], list) else c.max_keep)
 
     def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
              tokens: np.ndarray | None) -> np.ndarray:
@@ -276,7 +271,7 @@ class SpecPolicy:
         self.yields.fold()
         if not self._pending:
             self._observed = self._pending_rows = 0
-            self._shares = self.yields.shares(prior_rates(self.calibrator))
+            self._set_rates()
             return
         width = max(t.shape[1] for t, *_ in self._pending)
         rows = sum(len(t) for t, *_ in self._pending)
@@ -296,7 +291,13 @@ class SpecPolicy:
         self.calibrator.update(top, verified, accepted)
         if self.cfg.adaptive.estimator == "top_prob_logistic":
             self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights)
-        self._shares = self.yields.shares(prior_rates(self.calibrator))
+        self._set_rates()
+
+    def _set_rates(self) -> None:
+        """What the budget and the early stop read, as of the last calibration batch."""
+        rates = prior_rates(self.calibrator)
+        self._shares = self.yields.shares(rates)  # the budget's
+        self._next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
 
 
 def _matrix(cols: list) -> list[list[float]] | np.ndarray:

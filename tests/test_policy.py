@@ -3,6 +3,7 @@ and probe steps backing off while drafting does not pay."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
@@ -127,3 +128,23 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     for _ in range(PROBE_MAX_EVERY):
         _budget(policy, model)
     assert policy.probe_every == PROBE_EVERY and _budget(policy, model) == 4
+
+
+@pytest.mark.parametrize("n", [1, 2, 40])  # batch 1's path, the small batches', the arrays'
+def test_early_stop_looks_one_draft_ahead_at_the_observed_rate(n):
+    """After one draft the early stop asks whether a second pays. Position 1 is accepted 90%
+    of the time; after it, position 2 either 90% (continue) or 10% of the time (stop: 0.09
+    expected tokens do not pay a draft step and a validation). An estimate of 1 for the draft
+    not yet made, as the stop assumed before, would continue in both."""
+    for second, expected in ((0.9, True), (0.1, False)):
+        policy = _policy()
+        rng = np.random.default_rng(0)
+        for _ in range(600):
+            accepted = 0 if rng.random() >= 0.9 else 1 + (rng.random() < second)
+            policy.observe(np.full((1, 4), 0.5), np.full((1, 4), 0.2), np.array([2]), np.array([accepted]))
+        model = TimeModel(version=1, b0=1.0, b1=0.01, d0=0.2, d1=0.0)
+        policy.install(model)
+        policy.last_probe = 10**9  # no probe
+        policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1)
+        assert abs(policy._next_rates[1] - second) < 0.05
+        assert policy.keep_drafting([np.full(n, 0.5)], [np.full(n, 0.2)], [np.full(n, 7)]) is expected

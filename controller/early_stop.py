@@ -1,0 +1,35 @@
+"""The early stop: after j draft steps, is draft j+1 worth drafting?
+
+It is if the best keep set with it beats the best without it and without its draft step,
+each sequence's next draft taken at its position's observed conditional acceptance: one
+step ahead, since the draft itself is not known yet. (An estimate of 1 for it, the upper
+bound, never stopped a step at batch 1: adaptive verified 2.90 drafts a step where static-3
+verifies 2.91.) The same arithmetic on every rank: the decision's integer path
+probabilities and times, and Theta as the quotient of two integers.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.decision import StepCosts, best_one, decide_scored
+
+
+def worth_drafting(cols: list, costs: StepCosts, min_gain: float, stop_ms: float, go_ms: float, rate: float,
+                   cap) -> bool:
+    """cols: the acceptance estimates of the j positions drafted, one column each (Python
+    lists for small batches, arrays otherwise); stop_ms, go_ms: the draft time of j and of
+    j + 1 steps; rate: the next position's conditional acceptance; cap: drafts each sequence
+    may verify (a list or an array, as cols)."""
+    j = len(cols)
+    if len(cols[0]) == 1 and isinstance(cols[0], list):  # batch 1: one row, in draft order
+        row, one_cap = [col[0] for col in cols], cap[0]
+        count, go = best_one(row + [rate], costs, min_gain, go_ms, one_cap)
+        return count > j and go > best_one(row, costs, min_gain, stop_ms, one_cap)[1]
+    if isinstance(cols[0], list):  # small batch: plain Python end to end
+        conf = [list(row) for row in zip(*cols)]
+        ahead = [row + [rate] for row in conf]
+    else:
+        conf = np.stack(cols, 1)
+        ahead = np.concatenate([conf, np.full((len(conf), 1), rate)], 1)
+    keep, go = decide_scored(ahead, costs, min_gain, go_ms, cap)
+    return int(max(keep)) > j and go > decide_scored(conf, costs, min_gain, stop_ms, cap)[1]
