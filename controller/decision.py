@@ -160,8 +160,8 @@ def decide_scored(confidence, costs: StepCosts, min_gain: float, draft_ms: float
     n = len(confidence)
     if n * len(confidence[0]) <= SMALL:
         conf = confidence if isinstance(confidence, list) else np.asarray(confidence).tolist()
-        cap = None if max_keep is None or isinstance(max_keep, list) else np.asarray(max_keep).tolist()
-        return decide_small(conf, costs, min_gain, draft_ms, max_keep if cap is None else cap, False, True)
+        cap = max_keep.tolist() if isinstance(max_keep, np.ndarray) else max_keep
+        return decide_small(conf, costs, min_gain, draft_ms, cap, False, True)
     return _decide_numpy(np.asarray(confidence, dtype=np.float64), costs, min_gain, draft_ms, max_keep, False, True)
 
 
@@ -257,16 +257,12 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
     return (keep, score) if scored else keep
 
 
-def decide_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: float, max_keep: int | None) -> int:
-    """decide_small for a single sequence, whose path probabilities already fall with j (so
-    the ranking is the drafts' order): the same arithmetic in one pass, without candidate
-    lists. At batch 1 the decision runs once per draft step, and this path costs a third."""
-    return best_one(conf, costs, min_gain, draft_ms, max_keep)[0]
-
-
 def best_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: float,
              max_keep: int | None) -> tuple[int, float]:
-    """decide_one's keep count and its score (Theta over (1 + min_gain)^count)."""
+    """decide_small for a single sequence, whose path probabilities already fall with j (so
+    the ranking is the drafts' order): the same arithmetic in one pass, without candidate
+    lists; the keep count and its score (Theta over (1 + min_gain)^count). At batch 1 the
+    decision runs once per draft step, and this path costs a third."""
     f, o, ctx = costs.f_list, costs.per_token, costs.ctx_list[0]
     t = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum
     e = acc = CONF_ONE

@@ -128,7 +128,7 @@ class SpecPolicy:
         tm, n = c.model, len(c.kv)
         kv_ms = tm.b2 * float(c.kv.sum())  # one validated token per sequence: context cost of the batch
         f = self._f(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        (gain, share), o0, o1, first, g = self._shares, tm.o0, tm.o1, tm.d_first, tm.draft_step_ms(n)  # (inlined)
+        (gain, share), o0, o1, first, g = self._shares, tm.o0, tm.o1, tm.d_first, self._draft_step_ms()  # (inlined)
         best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
         for m in range(1, k + 1):
             expected += gain[m - 1]
@@ -199,14 +199,16 @@ class SpecPolicy:
             c.costs = step_costs(c.model, c.kv, extra, self._f(c.model, "decide", len(c.kv), extra))
         return c.costs
 
-    def _draft_ms(self, steps: int) -> float:
-        """The time model's draft_ms(n, steps), with g(n) looked up once per step."""
+    def _draft_step_ms(self) -> float:
+        """The time model's g(n), looked up once per step."""
         c = self.ctx
-        if steps <= 0:
-            return 0.0
         if c.draft_step_ms is None:
             c.draft_step_ms = c.model.draft_step_ms(len(c.kv))
-        return c.model.d_first + steps * c.draft_step_ms
+        return c.draft_step_ms
+
+    def _draft_ms(self, steps: int) -> float:
+        """The time model's draft_ms(n, steps)."""
+        return self.ctx.model.d_first + steps * self._draft_step_ms() if steps > 0 else 0.0
 
     def _f(self, tm: TimeModel, use: str, n: int, extra: int):
         """Values of f that steps of one batch size ask again and again, computed once per

@@ -132,12 +132,12 @@ def test_small_path_equals_vectorised_path(conf, b0, b1, b2, draft_ms, min_gain,
        draft_ms=st.floats(0, 10), min_gain=st.sampled_from([0.0, 0.01, 0.1]), kv=st.integers(1, 500),
        cap=st.integers(0, 7))
 def test_one_sequence_path_equals_vectorised_path(row, b0, b1, b2, o1, draft_ms, min_gain, kv, cap):
-    """decide_one (batch 1's hot path, once per draft step) decides as the general rule."""
-    from controller.decision import decide_one
+    """best_one (batch 1's hot path, once per draft step) decides as the general rule."""
+    from controller.decision import best_one
 
     costs = step_costs(TimeModel(b0=b0, b1=b1, b2=b2, o1=o1), [kv], len(row))
     for max_keep in (None, min(cap, len(row))):
-        one = decide_one(row, costs, min_gain, draft_ms, max_keep)
+        one = best_one(row, costs, min_gain, draft_ms, max_keep)[0]
         cap_arr = None if max_keep is None else np.array([max_keep])
         assert one == _decide_numpy(np.array([row]), costs, min_gain, draft_ms, cap_arr)[0]
 
