@@ -209,3 +209,14 @@ def test_context_costs_are_the_same_integers_for_large_batches(b2, seed):
     tm = TimeModel(b2=b2)
     small = [step_costs(tm, kv[i:i + SMALL], SMALL).ctx_list for i in range(0, len(kv), SMALL)]
     assert step_costs(tm, kv, 1).ctx.tolist() == [x for part in small for x in part]
+
+
+def test_a_tie_keeps_the_shorter_prefix():
+    """Theta with the draft equals Theta without it (4096 / 1000 = 6144 / 1500): both paths
+    keep nothing, so every rank breaks the tie the same way."""
+    from controller.decision import StepCosts, best_one
+
+    costs = StepCosts(n=1, ctx=None, ctx_list=[0], ctx_sum=0, uniform=True, fixed=0, per_token=0,
+                      f=np.array([1000, 1500]), f_list=(1000, 1500))
+    assert best_one([0.5], costs, 0.0, 0.0, None) == (0, 4.096)
+    assert _decide_numpy(np.array([[0.5]]), costs, 0.0, 0.0, None).tolist() == [0]

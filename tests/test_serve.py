@@ -284,6 +284,12 @@ def test_stream_deltas_hold_back_what_may_change():
         chunks += [json.loads(c.removeprefix("data: ")) for c in state.update(out)]
     deltas = [c["choices"][0]["text"] for c in chunks]
     assert deltas == ["Sure", ", caf", "é", ""] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # trailing whitespace goes out at once (the engine's text only grows); held back, a first
+    # chunk of " " waited a whole poll
+    plain = SSEState("text", "cmpl-2", MODEL, 0, 1, (), False)
+    first = RequestOutput(request_id="r", sample_index=0, prompt_ids=[1], token_ids=[2], text="Hi ",
+                          finished=False, finish_reason=None, new_token_ids=[2])
+    assert [json.loads(c.removeprefix("data: "))["choices"][0]["text"] for c in plain.update(first)] == ["Hi "]
 
 
 def collect(loop, until, deadline_s: float = 120.0) -> list:
