@@ -52,3 +52,48 @@ def test_tp16_matches_tp1(ray_session, sharegpt_prompts, reference):
         assert token_ids(results) == [r[:6] for r in reference[:3]]
     finally:
         engine.shutdown()
+
+
+def test_hidden_pieces_join_to_the_appended_rows():
+    """A sequence's MTP hiddens are kept as pieces of each step's tensor; read back from
+    any position, joined or compacted, they are the rows appended."""
+    import torch
+
+    from workers.proposer import COMPACT_AT, SeqState
+
+    s, rows = SeqState(0, [], []), []
+    s.reset_hidden(5)
+    for step in range(2 * COMPACT_AT + 3):
+        h = torch.randn(4, 3)
+        first, count = step % 3, 1 + step % 2
+        s.add_hidden(h, first, count)
+        rows.append(h[first:first + count])
+        assert len(s.hidden_parts) < COMPACT_AT
+        assert torch.equal(s.hidden_from(5), torch.cat(rows))
+    assert torch.equal(s.hidden_from(9), torch.cat(rows)[4:])
+
+
+def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):
+    """Plain decoding for more steps than a sequence holds hidden pieces, then drafting:
+    the MTP catches up on every position since the prompt and the tokens stay the target's."""
+    from workers.proposer import COMPACT_AT
+
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.method=mtp",
+                                      "speculative.num_speculative_tokens=3"))
+    try:
+        engine.set_num_speculative_tokens(0)
+        for prompt in sharegpt_prompts:
+            engine.add_request(prompt, greedy(MAX_TOKENS))
+        got: dict[str, list[int]] = {}
+        for step in range(COMPACT_AT + 3):
+            for out in engine.step():
+                got[out.request_id] = out.token_ids
+        before = engine.stats.accepted
+        engine.set_num_speculative_tokens(3)
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request_id] = out.token_ids
+        assert engine.stats.accepted > before  # drafting resumed, and drafts landed
+        assert [got[f"req-{i}"] for i in range(len(sharegpt_prompts))] == reference
+    finally:
+        engine.shutdown()

@@ -108,7 +108,7 @@ class ModelRunner:
         target cache holds anything to copy."""
         prompt = len(parent.tokens)
         child = SeqState(f.seq_id, list(parent.tokens), f.block_table, num_computed=parent.num_computed,
-                         hidden=parent.hidden, hidden_start=parent.hidden_start)
+                         hidden_parts=list(parent.hidden_parts), hidden_start=parent.hidden_start)
         if prompt % self.block_size:
             src, dst = parent.block_table[prompt // self.block_size], f.block_table[prompt // self.block_size]
             for cache_k, cache_v in self.cache:
@@ -233,12 +233,13 @@ class ModelRunner:
         stats.accepted_per_position = [int((acc > j).sum()) for j in range(draft.steps)]
         stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
         outputs = []
-        hiddens = hidden.split(lens) if self.keep_hidden else [None] * len(seqs)
-        for s, p, h, a, new, verified in zip(seqs, plan.seqs, hiddens, accepted, emitted, lens):
+        row = 0
+        for s, p, a, new, verified in zip(seqs, plan.seqs, accepted, emitted, lens):
             s.tokens.extend(new)
             s.num_computed += a + 1
             if self.keep_hidden:
-                s.add_hidden(h[: a + 1])
+                s.add_hidden(hidden, row, a + 1)  # this sequence's rows start at `row`
+            row += verified
             if self.proposer is not None:
                 self.proposer.commit(s, a, draft.steps)
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps), verified=verified - 1,

@@ -60,7 +60,7 @@ def draft_step_ms(runner: ModelRunner, n: int, ctx: int, runs: int = 3) -> float
     def step():
         for s in seqs:
             s.draft_len = s.num_computed = ctx
-            s.hidden, s.hidden_start = torch.zeros(1, hidden, dtype=w.dtype, device=w.device), ctx - 1
+            s.reset_hidden(ctx - 1, torch.zeros(1, hidden, dtype=w.dtype, device=w.device))
             del s.tokens[ctx + 1:]
         torch.softmax(runner.proposer.begin(seqs, runner.block_size).float().cpu(), dim=-1)
 
