@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine.core import Engine
+from cluster.engine.request import RequestParams
 from controller.time_model import TimeModel
 from tests.conftest import REFERENCE_TOKENS, greedy, local_engine, tiny_config, token_ids
 
 MAX_TOKENS = REFERENCE_TOKENS
 ADAPTIVE = ("speculative.adaptive.enabled=true", "speculative.adaptive.profile_on_start=false",
             "speculative.num_speculative_tokens=7")
-# Validation expensive per token, drafting cheap: pruning must happen.
-PRUNING_MODEL = TimeModel(b0=1.0, b1=0.6, b2=0.0, d0=0.05, d1=0.001)
+# Drafting cheap and each validated token a tenth of a step's fixed cost: at batch 8 drafting
+# pays, and the least likely drafts do not pay their validation (at 0.13 a token the budget
+# stands down at batch 8, and only probes draft).
+PRUNING_MODEL = TimeModel(b0=1.0, b1=0.1, b2=0.0, d0=0.05, d1=0.001)
 
 
 
@@ -82,8 +85,20 @@ def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts,
     engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
     try:
         engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
-        assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
+        last = len(sharegpt_prompts) - 1  # sampled; the first probe's exploration row
+        for i, prompt in enumerate(sharegpt_prompts):
+            engine.add_request(prompt, RequestParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1) if i == last
+                               else greedy(MAX_TOKENS))
+        done = {}
+        while engine.has_work():
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        assert [done[f"req-{i}"] for i in range(last)] == reference[:last]
+        assert len(done[f"req-{last}"]) == MAX_TOKENS
         st = engine.stats
         assert st.zero_budget_steps > 0.8 * st.decode_steps  # all but the periodic probes
+        # a probe drafts for the one row exploration verifies, not for all 8: the others would catch up on
+        # their whole history for drafts nobody verifies
+        probes = st.decode_steps - st.zero_budget_steps
+        assert 0 < st.drafted <= probes and st.verified == st.drafted
     finally:
         engine.shutdown()

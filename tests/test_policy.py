@@ -8,6 +8,7 @@ import pytest
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
 from controller.policy import PROBE_EVERY, PROBE_MAX_EVERY, SpecPolicy
+from controller.step import EXPLORE_EVERY
 from controller.time_model import TimeModel
 
 
@@ -83,8 +84,9 @@ def _policy(k: int = 4) -> SpecPolicy:
 
 def _budget(policy: SpecPolicy, model: TimeModel, n: int = 4, k: int = 4) -> int:
     policy.install(model)
-    policy.begin_step("adaptive", np.full(n, 100), np.full(n, k), model.version)
-    return policy.draft_budget(k)
+    step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, k), model.version, k)
+    policy.end_step(step, np.zeros((n, 0)), np.zeros((n, 0)), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+    return step.budget
 
 
 def _teach(policy: SpecPolicy, rate: float, k: int = 4) -> None:
@@ -108,8 +110,7 @@ def test_draft_budget_follows_acceptance_and_cost():
     assert _budget(bad, cheap_drafts) == 0  # drafts never accepted: a plain decode step
     assert _budget(good, costly_drafts) == 0  # a draft step costs ten validations
     static = _policy()
-    static.begin_step("static", np.full(4, 100), np.full(4, 4), 0)
-    assert static.draft_budget(4) == 4
+    assert static.begin_step("static", np.full(4, 100), np.full(4, 4), 0, 4).budget == 4
 
 
 def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
@@ -145,6 +146,28 @@ def test_early_stop_looks_one_draft_ahead_at_the_observed_rate(n):
         model = TimeModel(version=1, b0=1.0, b1=0.01, d0=0.2, d1=0.0)
         policy.install(model)
         policy.last_probe = 10**9  # no probe
-        policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1)
-        assert abs(policy._next_rates[1] - second) < 0.05
-        assert policy.keep_drafting([np.full(n, 0.5)], [np.full(n, 0.2)], [np.full(n, 7)]) is expected
+        step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1, 4)
+        assert abs(policy.next_rates[1] - second) < 0.05
+        assert step.keep_drafting([np.full(n, 0.5)], [np.full(n, 0.2)], [np.full(n, 7)]) is expected
+
+
+def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
+    """Where drafting does not pay, a probe drafts one position for the rows exploration
+    verifies and for no other (they would catch up on all they emitted since they last
+    drafted, for drafts nobody verifies). The draft yields count what the rule would have
+    verified there, not exploration's verify-all."""
+    policy, n = _policy(), 16
+    _teach(policy, 0.02)
+    policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))
+    step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1, 4)
+    rows = list(range(-policy.adaptive_steps % EXPLORE_EVERY, n, EXPLORE_EVERY))
+    assert step.probe and step.best_m == 0 and step.budget == 1
+    assert step.rows == rows and len(rows) == 2
+    assert step.max_keep.tolist() == [4 if i in rows else 0 for i in range(n)]
+    top, margin = np.full((n, 1), 0.001), np.full((n, 1), 0.0005)  # hopeless: the rule keeps none
+    keep = step.keep(top, top, margin, None)
+    assert keep.tolist() == [1 if i in rows else 0 for i in range(n)] and sum(step.rule_keep) == 0
+    policy.end_step(step, top, margin, keep, keep)
+    drafted, verified, accepted = policy.yields._pending
+    assert drafted == [2] and sum(verified) == sum(accepted) == 0  # (exploration verified and got both)
+    assert policy.probe_every == 2 * PROBE_EVERY  # and the probes back off

@@ -27,10 +27,10 @@ def _run(unsure_rate: float, steps: int = 600) -> SpecPolicy:
     top = np.array([[CONFIDENT[0]]] + [[UNSURE[0]]] * (N - 1))
     margin = np.array([[CONFIDENT[1]]] + [[UNSURE[1]]] * (N - 1))
     for _ in range(steps):
-        policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version)
-        keep = policy.keep(top, top, margin, None)
+        step = policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version, 1)
+        keep = step.keep(top, top, margin, None)
         right = np.concatenate([[1], rng.random(N - 1) < unsure_rate]).astype(np.int64)
-        policy.observe(top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.minimum(keep, right))
+        policy.end_step(step, top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.minimum(keep, right))
     return policy
 
 
@@ -40,12 +40,12 @@ def test_the_budget_expects_what_drafting_brought_not_what_verified_drafts_did()
     like a sure thing; counted over the drafts made there it brings a seventh of a token for
     a quarter of a validated one, which does not pay for a draft step here."""
     policy = _run(unsure_rate=0.1)
-    accepted, verified = policy._shares
+    accepted, verified = policy.shares
     explored = (N - 1) / N / EXPLORE_EVERY  # the share of drafts only exploration verified
     assert abs(verified[0] - (1 / N + explored)) < 0.03 and abs(accepted[0] - (1 / N + 0.1 * explored)) < 0.03
-    policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version)
-    assert policy.draft_budget(1) == 0
-    assert policy.keep(np.array([[UNSURE[0]]] * N), np.array([[UNSURE[0]]] * N), np.array([[UNSURE[1]]] * N),
+    step = policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version, 1)
+    assert step.budget == 0
+    assert step.keep(np.array([[UNSURE[0]]] * N), np.array([[UNSURE[0]]] * N), np.array([[UNSURE[1]]] * N),
                        None).sum() == len(range(-policy.adaptive_steps % EXPLORE_EVERY, N, EXPLORE_EVERY))
 
 

@@ -3,7 +3,8 @@
 Each step a proposer first *catches up*: it computes, in one packed forward, every
 position that became final since it last ran (the tokens accepted by the last validation)
 and so produces the distribution of draft 1. Then `next` runs one autoregressive draft
-step for all sequences at once. Draft-cache slots written by `next` are speculative; they
+step for all sequences at once. The step's drafting state is the `DraftRun` that `begin`
+returns and `next` advances; a proposer keeps nothing between the two. Draft-cache slots written by `next` are speculative; they
 are overwritten by a later catch-up, since KV writes are indexed by position.
 """
 from __future__ import annotations
@@ -56,23 +57,33 @@ class SeqState:
         self.hidden_parts, self.hidden_start = ([] if h is None else [(h, 0, len(h))]), start
 
 
-class Proposer:
-    catchup_tokens = 0  # tokens the last `begin` caught up on (all sequences together)
+@dataclass
+class DraftRun:
+    """One step's drafting: where each drafting sequence's next draft goes."""
 
-    def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
-        """Catch up and return the logits of draft 1, (n, V)."""
+    positions: list[int]  # position of the draft fed next, per sequence
+    tables: list[list[int]]
+    block_size: int
+    catchup_tokens: int  # tokens `begin` caught up on (all sequences together)
+    hidden: torch.Tensor | None = None  # MTP: the last draft position's hidden states, (n, H)
+
+    def advance(self, device) -> AttnBatch:
+        """The next draft step's batch: one query per sequence, one position further."""
+        self.positions = [p + 1 for p in self.positions]
+        return AttnBatch.build(self.positions, [1] * len(self.positions), self.tables, self.block_size, device)
+
+
+class Proposer:
+    def begin(self, seqs: list[SeqState], block_size: int) -> tuple[DraftRun, torch.Tensor]:
+        """Catch up; the step's drafting state and the logits of draft 1, (n, V)."""
         raise NotImplementedError
 
-    def next(self, tokens: torch.Tensor) -> torch.Tensor:
+    def next(self, run: DraftRun, tokens: torch.Tensor) -> torch.Tensor:
         """Feed draft j (n,) and return the logits of draft j+1, (n, V)."""
         raise NotImplementedError
 
     def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
         """After validation: `accepted` of the drafts were accepted, `draft_steps` were drafted."""
-
-    def _batch_next(self, tokens: torch.Tensor) -> AttnBatch:
-        self._pos = [p + 1 for p in self._pos]
-        return AttnBatch.build(self._pos, [1] * len(self._pos), self._tables, self._block_size, tokens.device)
 
 
 class DraftModelProposer(Proposer):
@@ -87,18 +98,16 @@ class DraftModelProposer(Proposer):
         lens = [len(s.tokens) - s.draft_len for s in seqs]
         device = self.model.lm_head.weight.device
         ids = torch.tensor([t for s in seqs for t in s.tokens[s.draft_len:]], device=device)
-        self._tables, self._block_size = [s.block_table for s in seqs], block_size
-        batch = AttnBatch.build(starts, lens, self._tables, block_size, device)
-        self.catchup_tokens = len(ids)
+        tables = [s.block_table for s in seqs]
+        batch = AttnBatch.build(starts, lens, tables, block_size, device)
         hidden = self.model(ids, batch, self.cache)[batch.last_index]
         for s in seqs:
             s.draft_len = len(s.tokens)
-        self._pos = [len(s.tokens) - 1 for s in seqs]
-        return self.model.logits(hidden)
+        run = DraftRun([len(s.tokens) - 1 for s in seqs], tables, block_size, len(ids))
+        return run, self.model.logits(hidden)
 
-    def next(self, tokens: torch.Tensor) -> torch.Tensor:
-        batch = self._batch_next(tokens)
-        return self.model.logits(self.model(tokens, batch, self.cache))
+    def next(self, run: DraftRun, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(self.model(tokens, run.advance(tokens.device), self.cache))
 
     def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
         # drafts 1..draft_steps-1 were fed to the cache; those accepted are final
@@ -125,18 +134,16 @@ class MTPProposer(Proposer):
             hid.append(s.hidden_from(start - 1))
         device = self.mtp.eh_proj.weight.device
         ids = torch.tensor([t for s, a in zip(seqs, starts) for t in s.tokens[a:]], device=device)
-        self._tables, self._block_size = [s.block_table for s in seqs], block_size
-        batch = AttnBatch.build(starts, lens, self._tables, block_size, device)
-        self.catchup_tokens = len(ids)
+        tables = [s.block_table for s in seqs]
+        batch = AttnBatch.build(starts, lens, tables, block_size, device)
         out = self.mtp(self.target.model.embed_tokens(ids), torch.cat(hid), batch, self.cache)
-        self._hidden = out[batch.last_index]  # (n, H)
         for s in seqs:
             s.draft_len = len(s.tokens)
             s.reset_hidden(s.num_computed)
-        self._pos = [len(s.tokens) - 1 for s in seqs]
-        return self.logits(self._hidden)
+        run = DraftRun([len(s.tokens) - 1 for s in seqs], tables, block_size, len(ids), out[batch.last_index])
+        return run, self.logits(run.hidden)
 
-    def next(self, tokens: torch.Tensor) -> torch.Tensor:
-        batch = self._batch_next(tokens)
-        self._hidden = self.mtp(self.target.model.embed_tokens(tokens), self._hidden, batch, self.cache)
-        return self.logits(self._hidden)
+    def next(self, run: DraftRun, tokens: torch.Tensor) -> torch.Tensor:
+        run.hidden = self.mtp(self.target.model.embed_tokens(tokens), run.hidden, run.advance(tokens.device),
+                              self.cache)
+        return self.logits(run.hidden)

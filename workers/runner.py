@@ -34,6 +34,27 @@ class DraftBlock:
     margin: np.ndarray | None = None  # (n, m) top-1 minus top-2 probability
     entropy: np.ndarray | None = None  # (n, m) entropy of the draft distribution, nats (step traces only)
     control_ms: float = 0.0  # time spent deciding whether to draft on (the early stop)
+    catchup_tokens: int = 0  # tokens the proposer caught up on before draft 1
+    rows: list[int] | None = None  # the sequences that drafted (None: every one); the others hold zeros
+
+    def steps_of(self, i: int) -> int:
+        """Drafts sequence i made."""
+        return self.steps if self.rows is None or i in self.rows else 0
+
+    def placed(self, rows: list[int], n: int) -> DraftBlock:
+        """This block, drafted for `rows` alone, as the block of all n sequences."""
+        m = self.steps
+
+        def spread(a):
+            if a is None:
+                return None
+            out = torch.zeros(n, m, dtype=a.dtype) if isinstance(a, torch.Tensor) else np.zeros((n, m))
+            out[rows] = a
+            return out
+
+        return DraftBlock(spread(self.tokens), spread(self.top_prob), spread(self.token_prob), m,
+                          {rows[i]: q for i, q in self.q.items()}, spread(self.margin), spread(self.entropy),
+                          self.control_ms, self.catchup_tokens, list(rows))
 
 
 class ModelRunner:
@@ -128,12 +149,11 @@ class ModelRunner:
         max_keep = np.array([p.num_spec for p in plan.seqs], dtype=np.int64)
         k = int(max_keep.max()) if self.proposer is not None else 0
         t0 = time.perf_counter()
-        ctx = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, _oracle(plan, k))
-        budget = self.policy.draft_budget(k)
+        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k))
         t1 = time.perf_counter()
-        draft = self._draft(seqs, [p.sampling for p in plan.seqs], budget, plan.trace)
+        draft = self._draft(seqs, [p.sampling for p in plan.seqs], step, plan.trace)
         t2 = time.perf_counter()
-        keep = self.policy.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens.numpy())  # (n,) numpy
+        keep = step.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens.numpy())  # (n,) numpy
         t3 = time.perf_counter()
         stats.draft_ms = (t2 - t1) * 1e3 - draft.control_ms  # the draft forwards, without the early stop
         stats.control_ms = (t1 - t0 + t3 - t2) * 1e3 + draft.control_ms
@@ -147,62 +167,77 @@ class ModelRunner:
         hidden = self.target(ids, batch, self.cache)
         logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
-        stats.num_tokens, stats.draft_steps = len(ids), draft.steps
-        stats.catchup_tokens = self.proposer.catchup_tokens if draft.steps else 0
-        stats.predicted_validate_ms = ctx.model.validate_ms(keep + 1, kv)
+        stats.num_tokens, stats.draft_steps, stats.catchup_tokens = len(ids), draft.steps, draft.catchup_tokens
+        stats.predicted_validate_ms = step.model.validate_ms(keep + 1, kv)
         stats.kv_tokens = int(((keep + 1) * kv).sum())
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
+        t0 = time.perf_counter()
+        width = int(keep.max())
+        self.policy.end_step(step, draft.top_prob[:, :width], draft.margin[:, :width], keep,
+                             np.array([o.accepted for o in outputs], dtype=np.int64))
+        stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
-            stats.trace = StepTrace(kv.tolist(), max_keep.tolist(), _rounded(draft.top_prob), _rounded(draft.margin),
-                                    _rounded(draft.entropy), keep.tolist(), [o.accepted for o in outputs], ctx.probe)
+            stats.trace = StepTrace(kv.tolist(), step.max_keep.tolist(), _rounded(draft.top_prob),
+                                    _rounded(draft.margin), _rounded(draft.entropy), keep.tolist(),
+                                    [o.accepted for o in outputs], step.probe)
         return outputs
 
-    def _draft(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, trace: bool) -> DraftBlock:
-        """Greedy sequences draft the argmax; sampled ones draw from their sampling
-        distribution q, kept for the rejection test. The confidence inputs (top
-        probability, margin to the second largest) never depend on the drawn token.
-        `trace` also records each position's entropy."""
-        n = len(seqs)
+    def _draft(self, seqs: list[SeqState], params: list[SamplingParams], step, trace: bool) -> DraftBlock:
+        """step.budget draft positions for step.rows (every sequence when None). Greedy
+        sequences draft the argmax; sampled ones draw from their sampling distribution q,
+        kept for the rejection test. The confidence inputs (top probability, margin to the
+        second largest) never depend on the drawn token. `trace` also records each
+        position's entropy. Rows that did not draft hold zeros."""
+        n, rows = len(seqs), step.rows
+        if step.budget == 0:
+            empty = np.zeros((n, 0))
+            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
+        if rows is None:
+            return self._draft_rows(seqs, params, step.budget, step.keep_drafting, trace)
+        part = self._draft_rows([seqs[i] for i in rows], [params[i] for i in rows], step.budget, step.keep_drafting,
+                                trace)
+        return part.placed(rows, n)
+
+    def _draft_rows(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, keep_drafting,
+                    trace: bool) -> DraftBlock:
+        """Up to `budget` draft positions for every one of seqs; keep_drafting: the early stop."""
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
         tokens, chosen, qs = [], [], {i: [] for i in sampled}
         top_cols, margins, control_ms = [], [], 0.0  # (n,) float64 columns for the early stop, and its time
         entropies = []
-        if budget > 0:
-            logits = self.proposer.begin(seqs, self.block_size)
-            for j in range(budget):
-                q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
-                top2, top_ids = q.topk(2, dim=-1)
-                p_top, d, margin = top2[:, 0].clone(), top_ids[:, 0].clone(), top2[:, 0] - top2[:, 1]
-                p_tok = p_top.clone()
+        run, logits = self.proposer.begin(seqs, self.block_size)
+        for j in range(budget):
+            q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
+            top2, top_ids = q.topk(2, dim=-1)
+            p_top, d, margin = top2[:, 0].clone(), top_ids[:, 0].clone(), top2[:, 0] - top2[:, 1]
+            p_tok = p_top.clone()
+            for i in sampled:
+                qi = probs_from_logits(logits[i].float().cpu(), params[i])
+                qs[i].append(qi)
+                d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
+                two = qi.topk(2).values
+                p_top[i], p_tok[i], margin[i] = two[0], qi[d[i]], two[0] - two[1]
+            if trace:
+                dist = q.clone()
                 for i in sampled:
-                    qi = probs_from_logits(logits[i].float().cpu(), params[i])
-                    qs[i].append(qi)
-                    d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
-                    two = qi.topk(2).values
-                    p_top[i], p_tok[i], margin[i] = two[0], qi[d[i]], two[0] - two[1]
-                if trace:
-                    dist = q.clone()
-                    for i in sampled:
-                        dist[i] = qs[i][-1]
-                    entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
-                tokens.append(d)
-                top_cols.append(p_top.double().numpy())
-                margins.append(margin.double().numpy())
-                chosen.append(p_tok)
-                if j == budget - 1:
-                    break
-                t0 = time.perf_counter()
-                more = self.policy.keep_drafting(top_cols, margins, tokens)
-                control_ms += (time.perf_counter() - t0) * 1e3
-                if not more:
-                    break
-                logits = self.proposer.next(d.to(self.device))
-        if not tokens:
-            empty = np.zeros((n, 0))
-            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
+                    dist[i] = qs[i][-1]
+                entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
+            tokens.append(d)
+            top_cols.append(p_top.double().numpy())
+            margins.append(margin.double().numpy())
+            chosen.append(p_tok)
+            if j == budget - 1:
+                break
+            t0 = time.perf_counter()
+            more = keep_drafting(top_cols, margins, tokens)
+            control_ms += (time.perf_counter() - t0) * 1e3
+            if not more:
+                break
+            logits = self.proposer.next(run, d.to(self.device))
         return DraftBlock(torch.stack(tokens, 1), np.stack(top_cols, 1), torch.stack(chosen, 1).double().numpy(),
                           len(tokens), {i: torch.stack(rows) for i, rows in qs.items()}, np.stack(margins, 1),
-                          torch.stack(entropies, 1).double().numpy() if trace else None, control_ms)
+                          torch.stack(entropies, 1).double().numpy() if trace else None, control_ms,
+                          run.catchup_tokens)
 
     def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats) -> list[SeqOutput]:
         """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts; lens: keep + 1,
@@ -219,30 +254,26 @@ class ModelRunner:
                 p_target = probs_from_logits(logits[row:row + verified + 1], p.sampling)  # (L+1, V)
                 # drafts that may decide their position: those this sequence asked for (the batch
                 # may draft further for others), so the text does not depend on the batch
-                usable = verified if self.fresh_bonus else min(draft.steps, p.num_spec)
+                usable = verified if self.fresh_bonus else min(draft.steps_of(i), p.num_spec)
                 q = draft.q[i][:usable] if usable else torch.zeros(0, logits.shape[-1])
                 a, out = rejection_accept(drafted[i][:usable], q, p_target, p.sampling, start=len(s.tokens))
                 accepted.append(a)
                 emitted.append(out)
             row += lens[i]
         acc = np.asarray(accepted, dtype=np.int64)
-        t0 = time.perf_counter()
-        width = int(keep.max())
-        self.policy.observe(draft.top_prob[:, :width], draft.margin[:, :width], keep, acc)
-        stats.control_ms += (time.perf_counter() - t0) * 1e3
         stats.accepted_per_position = [int((acc > j).sum()) for j in range(draft.steps)]
         stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
         outputs = []
         row = 0
-        for s, p, a, new, verified in zip(seqs, plan.seqs, accepted, emitted, lens):
+        for i, (s, p, a, new, verified) in enumerate(zip(seqs, plan.seqs, accepted, emitted, lens)):
             s.tokens.extend(new)
             s.num_computed += a + 1
             if self.keep_hidden:
                 s.add_hidden(hidden, row, a + 1)  # this sequence's rows start at `row`
             row += verified
             if self.proposer is not None:
-                self.proposer.commit(s, a, draft.steps)
-            outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps), verified=verified - 1,
+                self.proposer.commit(s, a, draft.steps_of(i))
+            outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps_of(i)), verified=verified - 1,
                                      accepted=a))
         return outputs
 

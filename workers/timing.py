@@ -62,6 +62,6 @@ def draft_step_ms(runner: ModelRunner, n: int, ctx: int, runs: int = 3) -> float
             s.draft_len = s.num_computed = ctx
             s.reset_hidden(ctx - 1, torch.zeros(1, hidden, dtype=w.dtype, device=w.device))
             del s.tokens[ctx + 1:]
-        torch.softmax(runner.proposer.begin(seqs, runner.block_size).float().cpu(), dim=-1)
+        torch.softmax(runner.proposer.begin(seqs, runner.block_size)[1].float().cpu(), dim=-1)
 
     return _timed(step, runs)

@@ -159,24 +159,24 @@ class Run:
         tokens = np.zeros((n, kk), dtype=np.int64)  # oracle: a draft matches the reference while accepted
         oracle = np.where(np.arange(kk)[None, :] < true_acc[:, None], 0, 1) if mode == "oracle" else None
         t0 = time.perf_counter()
-        policy.begin_step(mode, ctx_kv, max_keep, self.version, oracle)
-        budget = policy.draft_budget(kk)
+        step = policy.begin_step(mode, ctx_kv, max_keep, self.version, kk, oracle)
         m = 0
-        for j in range(budget):
+        for j in range(step.budget):
             m += 1
-            if j == budget - 1 or not policy.keep_drafting([top[:, i] for i in range(m)],
-                                                           [margin[:, i] for i in range(m)],
-                                                           [tokens[:, i] for i in range(m)]):
+            if j == step.budget - 1 or not step.keep_drafting([top[:, i] for i in range(m)],
+                                                              [margin[:, i] for i in range(m)],
+                                                              [tokens[:, i] for i in range(m)]):
                 break
-        keep = policy.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
+        keep = step.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
         accepted = np.minimum(keep, true_acc)
         width = int(keep.max(initial=0))
-        policy.observe(top[:, :width], margin[:, :width], keep, accepted)
+        policy.end_step(step, top[:, :width], margin[:, :width], keep, accepted)
         control = (time.perf_counter() - t0) * 1e3 if control_time else 0.0
         profiled = cost.control_ms(self.arm.policy, n) if control_time else None
         control = control if profiled is None else profiled  # as measured in the engine, where the cost model has it
         emitted = np.minimum(accepted + 1, left[live])
-        t_draft = cost.draft_ms(n, ctx_kv, m) if m else 0.0
+        drafting = ctx_kv if step.rows is None else ctx_kv[step.rows]  # a stand-down probe: its rows alone
+        t_draft = cost.draft_ms(len(drafting), drafting, m) if m else 0.0
         t_val = cost.validate_ms(keep + 1, ctx_kv)
         t_other = cost.other_ms(n, int(emitted.sum()))
         step_ms = t_draft + t_val + t_other + control

@@ -1,0 +1,194 @@
+"""One decode step's speculation decisions, made by `SpecPolicy.begin_step` and read by the
+runner top to bottom:
+
+    step = policy.begin_step(mode, kv, max_keep, version, k)
+    draft step.budget positions for step.rows (None: every sequence), and after each one
+        step.keep_drafting(...)           the early stop
+    keep = step.keep(...)                 drafts each sequence validates
+    policy.end_step(step, ...)            outcomes, calibration batches, the probe back-off
+
+Everything here is a deterministic function of what every rank holds, so all ranks reach
+the same answers without talking to each other.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.decision import SMALL, StepCosts, decide_small, decide_with, step_costs
+from controller.early_stop import worth_drafting
+from controller.time_model import TimeModel
+
+EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verifies everything drafted
+
+
+class SpecStep:
+    """mode: static | adaptive | oracle. probe: this adaptive step explores one draft position
+    past what the budget found worth drafting. rows: at a probe where drafting does not pay
+    at all, only the sequences exploration verifies draft (the others would have to catch up
+    on every position since they last drafted, for drafts nobody verifies); None: every one."""
+
+    def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
+                 oracle: np.ndarray | None, k: int):
+        self.policy, self.mode, self.probe, self.kv, self.model, self.oracle = policy, mode, probe, kv, model, oracle
+        n = len(kv)
+        first = -policy.adaptive_steps % EXPLORE_EVERY
+        self.explore = list(range(first, n, EXPLORE_EVERY))  # rows that verify everything drafted (adaptive)
+        self.rows: list[int] | None = None
+        self.costs: StepCosts | None = None  # adaptive steps: the decision's time terms, on first use
+        self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
+        self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
+        self._g: float | None = None  # the time model's g(n), asked once per step
+        self._set_caps(max_keep)
+        self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
+        self.budget = self._budget(k) if mode == "adaptive" and k else k
+        if mode == "adaptive" and probe and self.best_m == 0 and self.budget:  # a stand-down probe
+            self.rows = self.explore if self.explore else [first % n]
+            self.explore = self.rows
+            caps = np.zeros_like(max_keep)
+            caps[self.rows] = max_keep[self.rows]
+            self._set_caps(caps)
+            self._g = None  # g(n) of the rows that draft
+            if not self.kmax:
+                self.budget, self.rows = 0, None
+
+    def _set_caps(self, max_keep: np.ndarray) -> None:
+        self.max_keep = max_keep  # (n,) drafts each sequence may verify
+        self.kmax = int(max_keep.max(initial=0))
+        self.max_keep_list = max_keep.tolist() if len(max_keep) <= SMALL else None  # small batches: Python ints
+
+    # ------------------------------------------------------------------ budget
+    def _budget(self, k: int) -> int:
+        """How many draft steps to run: the m in 0..k that maximises the estimated
+        throughput n (1 + y_1 + .. + y_m) / (T_draft(m) + T_val(n (1 + v_1 + .. + v_m)) + T_other),
+        y_j and v_j the shares of drafts at position j that were accepted and that were verified
+        (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
+        every rank). 0 means a plain decode step. Sets best_m."""
+        policy, tm, n = self.policy, self.model, len(self.kv)
+        kv_ms = tm.b2 * float(self.kv.sum())  # one validated token per sequence: context cost of the batch
+        f = policy.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
+        (gain, share), o0, o1, first, g = policy.shares, tm.o0, tm.o1, tm.d_first, self._draft_step_ms()  # (inlined)
+        best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
+        min_gain = policy.cfg.adaptive.min_gain
+        for m in range(1, k + 1):
+            expected += gain[m - 1]
+            verified += share[m - 1]  # validated tokens per sequence: f between its knots n, 2n, ..
+            x = verified - 1.0
+            lo = min(int(x), k - 1)
+            f_val = f[lo] + (x - lo) * (f[lo + 1] - f[lo])
+            theta = expected / ((o0 + o1 * (n * expected)) + (first + m * g) + f_val + verified * kv_ms)
+            if theta > best * (1.0 + min_gain):
+                best_m, best = m, theta
+        self.best_m = best_m
+        if self.probe:
+            return min(k, best_m + 1)
+        # one position of headroom: the early stop, which sees each step's drafts, decides on it
+        # (at batch 1 the budget alone stopped at 2 of 3 drafts static-3 verifies to its gain)
+        return min(k, best_m + 1) if best_m and policy.cfg.adaptive.early_stop else best_m
+
+    # ------------------------------------------------------------------ early stop
+    def keep_drafting(self, top_prob: list[np.ndarray], margin: list[np.ndarray], tokens: list[np.ndarray]) -> bool:
+        """After j draft steps (top_prob, margin, tokens: j columns, one value per drafting
+        row), is draft j+1 worth drafting? adaptive: only if the best keep set with it, each
+        sequence's next draft at its position's observed conditional acceptance (one step
+        ahead; the draft itself is not known yet), beats the best without it and without its
+        draft step; oracle: only if some sequence still matches the reference."""
+        j = len(top_prob)
+        if self.mode == "oracle":
+            return bool((self._oracle_match(np.stack([np.asarray(t) for t in tokens], 1)) >= j).any())
+        if self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop:
+            return True
+        cols = self._estimates(top_prob, margin, j)
+        # draft times are predicted, never measured: the same on every rank
+        return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
+                              self._draft_ms(j + 1), self.policy.next_rates[j],
+                              self.max_keep_list if isinstance(cols[0], list) else self.max_keep)
+
+    # ------------------------------------------------------------------ keep
+    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
+             tokens: np.ndarray | None) -> np.ndarray:
+        """(n,) drafts each sequence validates; top_prob, token_prob, margin, tokens: (n, m)."""
+        n, m = top_prob.shape
+        if self.mode == "oracle":
+            return np.minimum(np.minimum(self._oracle_match(tokens), self.max_keep), m)
+        if self.mode == "static" or m == 0:
+            return np.minimum(self.max_keep, m)
+        policy = self.policy
+        conf = token_prob if policy.cfg.adaptive.estimator == "token_prob" else _matrix(self._estimates(top_prob,
+                                                                                                        margin, m))
+        draft_ms = self._draft_ms(m)
+        # exploration: the estimator learns only from verified drafts, and those the rule picked are
+        # the confident ones; a rotating share, chosen by step and row alone, verifies everything
+        # (observe weighs the drafts only it verified by EXPLORE_EVERY, their sampling rate)
+        if isinstance(conf, list):
+            keep = self.rule_keep = decide_small(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms,
+                                                 self.max_keep_list)
+            policy.yields.count_drafts(self.max_keep_list, m)
+            out = list(keep)
+            for i in self.explore:
+                out[i] = min(self.max_keep_list[i], m)
+            return np.array(out)
+        keep = self.rule_keep = decide_with(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms,
+                                            self.max_keep)
+        policy.yields.count_drafts(self.max_keep, m)
+        out = keep.copy()
+        out[self.explore] = np.minimum(self.max_keep[self.explore], m)
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def _costs(self) -> StepCosts:
+        """The step's decision costs, computed on first use (a step that drafts nothing never needs them)."""
+        if self.costs is None:
+            extra = len(self.kv) * self.kmax
+            self.costs = step_costs(self.model, self.kv, extra,
+                                    self.policy.f_values(self.model, "decide", len(self.kv), extra))
+        return self.costs
+
+    def _draft_step_ms(self) -> float:
+        """The time model's g(n), looked up once per step."""
+        if self._g is None:
+            self._g = self.model.draft_step_ms(len(self.kv) if self.rows is None else len(self.rows))
+        return self._g
+
+    def _draft_ms(self, steps: int) -> float:
+        """The time model's draft_ms(n, steps)."""
+        return self.model.d_first + steps * self._draft_step_ms() if steps > 0 else 0.0
+
+    def _oracle_match(self, tokens: np.ndarray) -> np.ndarray:
+        j = tokens.shape[1]
+        match = tokens == self.oracle[:, :j]
+        return np.cumprod(match, axis=1).sum(axis=1)
+
+    def _estimates(self, top_prob, margin, count: int) -> list:
+        """Acceptance estimates of the step's first `count` draft positions, one column
+        each, computed once per position and step (the calibrators change only between
+        steps); Python lists for small batches, arrays for large ones. top_prob, margin:
+        lists of (n,) columns or (n, m) arrays. token_prob's early stop uses the top
+        probability, an upper bound of the drafted token's."""
+        if self.conf is None:
+            self.conf = []
+        small = len(self.kv) * self.kmax <= SMALL
+        policy = self.policy
+        est = policy.cfg.adaptive.estimator
+        for j in range(len(self.conf), count):
+            col, m = _column(top_prob, j), _column(margin, j)
+            if small != isinstance(col, list):
+                col = col.tolist() if small else np.asarray(col, dtype=np.float64)
+            if est == "top_prob_logistic":
+                if small != isinstance(m, list):
+                    m = m.tolist() if small else np.asarray(m, dtype=np.float64)
+                col = policy.logistic.estimate_column(col, m, j)
+            elif est == "top_prob_calibrated":
+                col = policy.calibrator.estimate(np.asarray(col, dtype=np.float64)[:, None], start=j)[:, 0]
+                col = col.tolist() if small else col
+            self.conf.append(col)
+        return self.conf[:count]
+
+
+def _matrix(cols: list) -> list[list[float]] | np.ndarray:
+    """Columns (Python lists for small batches, arrays otherwise) -> rows, as the decision takes them."""
+    return [list(row) for row in zip(*cols)] if isinstance(cols[0], list) else np.stack(cols, 1)
+
+
+def _column(a, j: int):
+    """Column j of a list of columns or of an (n, m) array."""
+    return a[:, j] if isinstance(a, np.ndarray) else a[j]
