@@ -146,7 +146,7 @@ def _best_prefix(theta: np.ndarray | list[float], min_gain: float) -> tuple[int,
     return best, float(theta[best])
 
 
-def _draft_units(draft_ms: float) -> int:
+def draft_units(draft_ms: float) -> int:
     return int(round(draft_ms * UNITS_PER_MS))
 
 
@@ -174,7 +174,7 @@ def _decide_numpy(confidence: np.ndarray, costs: StepCosts, min_gain: float, dra
     ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
     live = int((a > 0).sum())
     f = costs.f[:live + 1]
-    base = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum + f
+    base = draft_units(draft_ms) + costs.fixed + costs.ctx_sum + f
     # Ranked by key desc, then j asc, then i asc: a stable sort on -key over a j-major layout.
     a_jmajor = a.T.reshape(-1)  # index = j * n + i
     dead = a_jmajor <= 0  # rank last: never kept
@@ -223,7 +223,7 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
                 break
             cands.append((acc, j, i))
     f, o = costs.f_list, costs.per_token
-    fixed = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum
+    fixed = draft_units(draft_ms) + costs.fixed + costs.ctx_sum
 
     def best_of(ranked):
         e, t = n * CONF_ONE, fixed
@@ -264,7 +264,7 @@ def best_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: flo
     lists; the keep count and its score (Theta over (1 + min_gain)^count). At batch 1 the
     decision runs once per draft step, and this path costs a third."""
     f, o, ctx = costs.f_list, costs.per_token, costs.ctx_list[0]
-    t = _draft_units(draft_ms) + costs.fixed + costs.ctx_sum
+    t = draft_units(draft_ms) + costs.fixed + costs.ctx_sum
     e = acc = CONF_ONE
     best, count = e / max(t + f[0] + ((o * e) >> CONF_BITS), 1), 0
     scale, divisor = 1.0 + min_gain, 1.0  # as _best_prefix: prefix m scores Theta_m / (1 + g)^m

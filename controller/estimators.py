@@ -125,13 +125,14 @@ class LogisticCalibrator:
         if not isinstance(top_prob, list):
             x = self.features(top_prob, margin)
             return 1.0 / (1.0 + np.exp(-np.clip(x @ self.w[j], -60.0, 60.0)))
+        return [self.estimate_one(p, m, j) for p, m in zip(top_prob, margin)]
+
+    def estimate_one(self, p: float, m: float, j: int) -> float:
+        """Position j's estimate for one draft (plain Python)."""
         w0, w1, w2, w3 = self._w[j]
-        out = []
-        for p, m in zip(top_prob, margin):
-            p, m = min(max(p, EPS), 1 - EPS), min(max(m, EPS), 1.0)
-            z = min(max(w0 + w1 * math.log(p) + w2 * math.log1p(-p) + w3 * math.log(m), -60.0), 60.0)
-            out.append(1.0 / (1.0 + math.exp(-z)))
-        return out
+        p, m = min(max(p, EPS), 1 - EPS), min(max(m, EPS), 1.0)
+        z = min(max(w0 + w1 * math.log(p) + w2 * math.log1p(-p) + w3 * math.log(m), -60.0), 60.0)
+        return 1.0 / (1.0 + math.exp(-z))
 
     def update(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
                steps: int = 1, weights: np.ndarray | None = None) -> None:

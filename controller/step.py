@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import SMALL, StepCosts, decide_small, decide_with, step_costs
+from controller.decision import SMALL, StepCosts, draft_units, decide_small, decide_with, step_costs
 from controller.early_stop import worth_drafting
+from controller.one_row import OneRow
 from controller.time_model import TimeModel
 
 EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verifies everything drafted
@@ -38,6 +39,7 @@ class SpecStep:
         self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
         self._g: float | None = None  # the time model's g(n), asked once per step
+        self._one: OneRow | None = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
@@ -97,8 +99,11 @@ class SpecStep:
             return bool((self._oracle_match(np.stack([np.asarray(t) for t in tokens], 1)) >= j).any())
         if self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop:
             return True
-        cols = self._estimates(top_prob, margin, j)
         # draft times are predicted, never measured: the same on every rank
+        if self._one_row_ok():
+            return self._one_row(top_prob, margin, j).worth_drafting(
+                draft_units(self._draft_ms(j)), draft_units(self._draft_ms(j + 1)), self.policy.next_rates[j])
+        cols = self._estimates(top_prob, margin, j)
         return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
                               self._draft_ms(j + 1), self.policy.next_rates[j],
                               self.max_keep_list if isinstance(cols[0], list) else self.max_keep)
@@ -113,6 +118,11 @@ class SpecStep:
         if self.mode == "static" or m == 0:
             return np.minimum(self.max_keep, m)
         policy = self.policy
+        if self._one_row_ok():
+            count = self._one_row(top_prob, margin, m).best(draft_units(self._draft_ms(m)), m)[0]
+            self.rule_keep = [count]
+            policy.yields.count_drafts(self.max_keep_list, m)
+            return np.array([min(self.max_keep_list[0], m) if self.explore else count])
         conf = token_prob if policy.cfg.adaptive.estimator == "token_prob" else _matrix(self._estimates(top_prob,
                                                                                                         margin, m))
         draft_ms = self._draft_ms(m)
@@ -135,6 +145,21 @@ class SpecStep:
         return out
 
     # ------------------------------------------------------------------ helpers
+    def _one_row_ok(self) -> bool:
+        return len(self.kv) == 1 and self.max_keep_list is not None and \
+            self.policy.cfg.adaptive.estimator == "top_prob_logistic"
+
+    def _one_row(self, top_prob, margin, count: int) -> OneRow:
+        """Batch 1's prefixes with the estimates of the first `count` drafts added (top_prob,
+        margin: lists of (1,) columns or (1, m) arrays)."""
+        one = self._one
+        if one is None:
+            one = self._one = OneRow(self._costs(), self.policy.cfg.adaptive.min_gain, self.max_keep_list[0])
+        for j in range(one.drafts, count):
+            p, m = (top_prob[j][0], margin[j][0]) if isinstance(top_prob, list) else (top_prob[0, j], margin[0, j])
+            one.add(self.policy.logistic.estimate_one(float(p), float(m), j))
+        return one
+
     def _costs(self) -> StepCosts:
         """The step's decision costs, computed on first use (a step that drafts nothing never needs them)."""
         if self.costs is None:

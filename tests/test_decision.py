@@ -142,6 +142,30 @@ def test_one_sequence_path_equals_vectorised_path(row, b0, b1, b2, o1, draft_ms,
         assert one == _decide_numpy(np.array([row]), costs, min_gain, draft_ms, cap_arr)[0]
 
 
+
+@settings(max_examples=300, deadline=None)
+@given(row=st.integers(1, 7).flatmap(lambda k: st.lists(st.floats(0, 1), min_size=k, max_size=k)),
+       b0=st.floats(0.1, 20), b1=st.floats(0.001, 5), b2=st.floats(0, 0.01), o1=st.floats(0, 1),
+       d_first=st.floats(0, 3), g=st.floats(0, 3), min_gain=st.sampled_from([0.0, 0.01, 0.1]),
+       kv=st.integers(1, 500), cap=st.integers(0, 7), rate=st.floats(0, 1))
+def test_one_row_built_up_a_draft_at_a_time_decides_as_best_one(row, b0, b1, b2, o1, d_first, g, min_gain, kv,
+                                                               cap, rate):
+    """OneRow (batch 1, prefixes added as drafts arrive) answers the early stop and the keep
+    rule exactly as worth_drafting and best_one do, after every draft."""
+    from controller.decision import best_one, draft_units
+    from controller.early_stop import worth_drafting
+    from controller.one_row import OneRow
+
+    costs = step_costs(TimeModel(b0=b0, b1=b1, b2=b2, o1=o1), [kv], len(row) + 1)  # (the draft after the last)
+    one = OneRow(costs, min_gain, cap)
+    draft_ms = [d_first + j * g if j else 0.0 for j in range(len(row) + 2)]
+    for j, c in enumerate(row, 1):
+        one.add(c)
+        assert one.best(draft_units(draft_ms[j]), j) == best_one(row[:j], costs, min_gain, draft_ms[j], cap)
+        expected = worth_drafting([[x] for x in row[:j]], costs, min_gain, draft_ms[j], draft_ms[j + 1], rate, [cap])
+        assert one.worth_drafting(draft_units(draft_ms[j]), draft_units(draft_ms[j + 1]), rate) == expected
+
+
 def _theta_units(a, keep, tm, kv, draft_ms):
     """Theta in the decision's own arithmetic (integer path probabilities and time units)."""
     from controller.decision import UNITS_PER_MS, context_units, f_array
@@ -220,3 +244,9 @@ def test_a_tie_keeps_the_shorter_prefix():
                       f=np.array([1000, 1500]), f_list=(1000, 1500))
     assert best_one([0.5], costs, 0.0, 0.0, None) == (0, 4.096)
     assert _decide_numpy(np.array([[0.5]]), costs, 0.0, 0.0, None).tolist() == [0]
+    from controller.one_row import OneRow
+
+    one = OneRow(costs, 0.0, 1)
+    assert not one.worth_drafting(0, 0, 0.5)  # the early stop: a draft that only ties is not drafted
+    one.add(0.5)
+    assert one.best(0, 1) == (0, 4.096)

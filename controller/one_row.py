@@ -1,0 +1,76 @@
+"""Batch 1's early stop and keep set, built up one draft at a time.
+
+At batch 1 the decision's candidates are the drafts in order, so every keep set is a prefix,
+and a step asks about the same prefixes again after each draft: the early stop twice per
+draft (`worth_drafting`: the best prefix with one more draft and without it) and the keep
+rule once at the end (`best_one`). Here each prefix's expected tokens and time terms are
+added once, as its draft arrives, and each question is a few divisions over the prefixes
+held. The arithmetic is `best_one`'s, term for term (the same integers, the same float
+divisions in the same order), so the answers are equal (tests/test_decision.py checks it);
+this only stops redoing it. At batch 1 the controller's Python was most of the gap to
+static-3 (0.16-0.18 ms on a 2.9 ms step, about a third of it the early stop's two passes).
+"""
+from __future__ import annotations
+
+from controller.decision import CONF_BITS, CONF_ONE, StepCosts
+
+
+class OneRow:
+    def __init__(self, costs: StepCosts, min_gain: float, cap: int):
+        self.f, self.o, self.ctx, self.cap = costs.f_list, costs.per_token, costs.ctx_list[0], cap
+        self.min_gain, self.scale = min_gain, 1.0 + min_gain
+        self.e = [CONF_ONE]  # expected tokens of prefix m (fixed point), m = 0, 1, ..
+        self.t = [costs.fixed + costs.ctx_sum]  # its time terms but the draft time and f
+        self.div = [1.0]  # (1 + min_gain)^m, as best_one multiplies it up
+        self.acc = CONF_ONE  # path probability of the longest prefix
+        self.drafts = 0  # estimates added
+        self.closed = False  # a path probability reached 0, or the cap: no longer prefix counts
+
+    def add(self, c: float) -> None:
+        """The next draft's acceptance estimate."""
+        self.drafts += 1
+        if self.closed or self.drafts > self.cap:
+            self.closed = True
+            return
+        acc = (self.acc * min(max(int(round(c * CONF_ONE)), 0), CONF_ONE)) >> CONF_BITS
+        if acc <= 0:
+            self.closed = True
+            return
+        self.acc = acc
+        self.e.append(self.e[-1] + acc)
+        self.t.append(self.t[-1] + self.ctx)
+        self.div.append(self.div[-1] * self.scale)
+
+    def _theta(self, m: int, d: int) -> float:
+        e = self.e[m]
+        theta = e / max(self.t[m] + d + self.f[m] + ((self.o * e) >> CONF_BITS), 1)
+        return theta / self.div[m] if self.min_gain else theta
+
+    def best(self, d: int, upto: int) -> tuple[int, float]:
+        """The best prefix of at most `upto` drafts and its score, d the draft time in units
+        (best_one: ties keep the shorter prefix)."""
+        best, count = self._theta(0, d), 0
+        for m in range(1, min(upto, len(self.e) - 1) + 1):
+            theta = self._theta(m, d)
+            if theta > best:
+                best, count = theta, m
+        return count, best
+
+    def worth_drafting(self, d_stop: int, d_go: int, rate: float) -> bool:
+        """After the drafts added so far (j), is draft j+1 worth drafting, it taken at `rate`?
+        worth_drafting's batch-1 answer: the best prefix with it must be it (j+1 drafts, at
+        draft time d_go) and beat the best prefix without it (at d_stop)."""
+        j = self.drafts
+        if self.closed or j + 1 > self.cap:
+            return False
+        acc = (self.acc * min(max(int(round(rate * CONF_ONE)), 0), CONF_ONE)) >> CONF_BITS
+        if acc <= 0:
+            return False
+        e = self.e[j] + acc
+        go = e / max(self.t[j] + self.ctx + d_go + self.f[j + 1] + ((self.o * e) >> CONF_BITS), 1)
+        if self.min_gain:
+            go /= self.div[j] * self.scale
+        for m in range(j + 1):
+            if go <= self._theta(m, d_stop) or (d_go < d_stop and go <= self._theta(m, d_go)):
+                return False
+        return True
