@@ -48,6 +48,7 @@ class SpecPolicy:
         self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
         self._set_rates()
         self._f_cache: dict[tuple, tuple] = {}  # f values a time model gives a batch size (see f_values)
+        self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms)
 
     # ------------------------------------------------------------------ time models
     def install(self, model: TimeModel) -> int:
@@ -126,6 +127,31 @@ class SpecPolicy:
             hit = self._f_cache[key] = (tm, f)
         return hit[1]
 
+    def budget_terms(self, tm: TimeModel, n: int, k: int, g: float) -> tuple[float, list[tuple]]:
+        """The draft budget's terms that do not depend on the batch's context (SpecStep._budget),
+        computed once per time model, batch size and calibration batch: other + f at m = 0, and
+        per m the expected tokens, the time without the context term, and the validated tokens
+        per sequence. The same floats, added in the same order, as computing them each step."""
+        key = (id(tm), n, k, g)
+        hit = self._budget_cache.get(key)
+        if hit is not None and hit[0] is tm:
+            return hit[1]
+        if len(self._budget_cache) > 256:
+            self._budget_cache.clear()
+        f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
+        (gain, share), o0, o1, first = self.shares, tm.o0, tm.o1, tm.d_first
+        terms, expected, verified = [], 1.0, 1.0
+        for m in range(1, k + 1):
+            expected += gain[m - 1]
+            verified += share[m - 1]  # validated tokens per sequence: f between its knots n, 2n, ..
+            x = verified - 1.0
+            lo = min(int(x), k - 1)
+            f_val = f[lo] + (x - lo) * (f[lo + 1] - f[lo])
+            terms.append((m, expected, (o0 + o1 * (n * expected)) + (first + m * g) + f_val, verified))
+        out = (tm.other_ms(n) + f[0], terms)
+        self._budget_cache[key] = (tm, out)
+        return out
+
     # ------------------------------------------------------------------ calibration
     def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
                 rule=None, counted: tuple | None = None) -> None:
@@ -176,5 +202,6 @@ class SpecPolicy:
         """What the budget and the early stop read, as of the last calibration batch."""
         rates = prior_rates(self.calibrator)
         self.shares = self.yields.shares(rates)  # the budget's
+        self._budget_cache = {}  # its terms follow the shares
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
 

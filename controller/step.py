@@ -67,18 +67,11 @@ class SpecStep:
         every rank). 0 means a plain decode step. Sets best_m."""
         policy, tm, n = self.policy, self.model, len(self.kv)
         kv_ms = tm.b2 * float(self.kv.sum())  # one validated token per sequence: context cost of the batch
-        f = policy.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        (gain, share), o0, o1, first, g = policy.shares, tm.o0, tm.o1, tm.d_first, self._draft_step_ms()  # (inlined)
-        best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
-        min_gain = policy.cfg.adaptive.min_gain
-        for m in range(1, k + 1):
-            expected += gain[m - 1]
-            verified += share[m - 1]  # validated tokens per sequence: f between its knots n, 2n, ..
-            x = verified - 1.0
-            lo = min(int(x), k - 1)
-            f_val = f[lo] + (x - lo) * (f[lo + 1] - f[lo])
-            theta = expected / ((o0 + o1 * (n * expected)) + (first + m * g) + f_val + verified * kv_ms)
-            if theta > best * (1.0 + min_gain):
+        base, terms = policy.budget_terms(tm, n, k, self._draft_step_ms())
+        best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
+        for m, expected, fixed, verified in terms:
+            theta = expected / (fixed + verified * kv_ms)
+            if theta > best * scale:
                 best_m, best = m, theta
         self.best_m = best_m
         if self.probe:

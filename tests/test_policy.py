@@ -171,3 +171,43 @@ def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
     drafted, verified, accepted = policy.yields._pending
     assert drafted == [2] and sum(verified) == sum(accepted) == 0  # (exploration verified and got both)
     assert policy.probe_every == 2 * PROBE_EVERY  # and the probes back off
+
+
+def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k: int) -> int:
+    """The draft budget's argmax, every term computed afresh."""
+    n, (gain, share) = len(kv), policy.shares
+    kv_ms, g = tm.b2 * float(kv.sum()), tm.draft_step_ms(n)
+    f = tm.q_ms_at(n * np.arange(1, k + 2)).tolist()
+    best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
+    for m in range(1, k + 1):
+        expected += gain[m - 1]
+        verified += share[m - 1]
+        lo = min(int(verified - 1.0), k - 1)
+        f_val = f[lo] + (verified - 1.0 - lo) * (f[lo + 1] - f[lo])
+        theta = expected / ((tm.o0 + tm.o1 * (n * expected)) + (tm.d_first + m * g) + f_val + verified * kv_ms)
+        if theta > best * (1.0 + policy.cfg.adaptive.min_gain):
+            best_m, best = m, theta
+    return best_m
+
+
+def test_the_budget_from_cached_terms_equals_the_formula():
+    """The budget's context-free terms are kept per time model, batch size and calibration
+    batch; each step's answer is still the formula's, over many models, rates and contexts."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        policy = _policy(7)
+        _teach(policy, rng.uniform(0.3, 0.95), k=7)
+        policy.last_probe = 10**9  # no probe
+        tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(0, 1e-3),
+                       d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05))
+        policy.install(tm)
+        for n in (1, 3, 8, 40):
+            for _ in range(3):  # the same batch size again: cached terms, another context
+                kv = rng.integers(10, 2000, n)
+                step = policy.begin_step("adaptive", kv, np.full(n, 7), 1, 7)
+                assert step.best_m == _budget_by_the_formula(policy, tm, kv, 7), (trial, n)
+        _teach(policy, rng.uniform(0.3, 0.95), k=7)  # new rates: the terms follow them
+        for n in (1, 3, 8, 40):
+            kv = rng.integers(10, 2000, n)
+            assert policy.begin_step("adaptive", kv, np.full(n, 7), 1, 7).best_m == \
+                _budget_by_the_formula(policy, tm, kv, 7), (trial, n)
