@@ -35,6 +35,12 @@ class StepSample:
     other_ms: float = 0.0  # the rest of the step (scheduling, sampling, bookkeeping); 0: not measured
     emitted: int = 0  # tokens the step emitted (sequences plus accepted drafts)
     catchup_tokens: int = 0  # tokens the draft caught up on before its first step (0: unknown)
+    draft_seqs: int = 0  # sequences that drafted (0: all num_seqs; a probe standing down drafts for a few)
+
+    @property
+    def drafting(self) -> int:
+        """Sequences the draft time is for."""
+        return self.draft_seqs or self.num_seqs
 
     def features(self) -> list[float]:
         return [1.0, float(self.q_tokens), float(self.kv_tokens)]
@@ -89,8 +95,8 @@ class ProfileRegistry:
         val = np.array([s.validate_ms for s in validated])
         # the draft cost of steady drafting: a step that first caught up on a prompt or on the tokens
         # of steps that drafted nothing paid a one-off the budget must not expect at every step
-        drafted = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.num_seqs]
-        draft_n = np.array([s.num_seqs for s in drafted], dtype=np.float64)
+        drafted = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
+        draft_n = np.array([s.drafting for s in drafted], dtype=np.float64)
         draft_ms = np.array([s.draft_ms for s in drafted])
         draft_steps = np.array([s.draft_steps for s in drafted], dtype=np.float64)
         timed = [s for s in data if s.other_ms > 0 and s.emitted > 0]

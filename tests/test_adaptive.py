@@ -100,5 +100,8 @@ def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts,
         # their whole history for drafts nobody verifies
         probes = st.decode_steps - st.zero_budget_steps
         assert 0 < st.drafted <= probes and st.verified == st.drafted
+        # and the registry learns the draft time of the one row that drafted, not of a batch of 8
+        drafted = [s for s in engine.time_models.registry.online if s.draft_steps]
+        assert drafted and all(s.draft_seqs == 1 < s.num_seqs for s in drafted)
     finally:
         engine.shutdown()

@@ -1,6 +1,8 @@
 """The validate-time model fit and the profile registry's refits."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from controller.registry import RECENT, ProfileRegistry, StepSample
@@ -168,3 +170,23 @@ def test_a_draft_that_first_caught_up_on_a_prompt_is_not_its_steady_cost():
     reg.add(online)
     model = reg.refit().model
     assert abs(model.draft_ms(8, 2) - (0.2 + 2 * 0.38)) < 0.05
+
+
+def test_a_probe_that_drafted_for_a_few_rows_is_fitted_at_their_count():
+    """A probe standing down drafts for the explored rows alone (one in eight). Its draft
+    time is for those rows: counted at the batch size it made drafting a batch of 32 look as
+    cheap as drafting one sequence, and the budget drafted where it did not pay (the CPU
+    validation's batch 8 fell to 0.82x plain decoding)."""
+    rng = np.random.default_rng(5)
+    for kind in ("linear", "table"):
+        reg = ProfileRegistry(refit_every=1000, initial=TimeModel(version=1), kind=kind)
+        reg.seed([dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)])  # validations
+        online = []
+        for i, s in enumerate(_samples(rng, 300)):
+            n, m = s.num_seqs, int(rng.integers(1, 4))
+            rows = max(1, n // 8) if i % 2 else n  # every other step a probe for its explored rows
+            online.append(StepSample(n, s.q_tokens, s.kv_tokens, s.validate_ms, m, 0.2 + m * (0.3 + 0.05 * rows),
+                                     0.3, n, rows * 2, draft_seqs=rows))
+        reg.add(online)
+        model = reg.refit().model
+        assert abs(model.draft_step_ms(32) - (0.3 + 0.05 * 32)) < 0.1, kind

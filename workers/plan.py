@@ -85,6 +85,7 @@ class StepStats:
     control_ms: float = 0.0  # speculation control on rank 0: budget, early stop, keep, calibration
     draft_steps: int = 0  # autoregressive draft forwards run
     catchup_tokens: int = 0  # tokens the first draft forward caught up on (steady state: those emitted last step)
+    draft_seqs: int = 0  # sequences that drafted (a probe standing down drafts for the explored ones alone)
     num_seqs: int = 0
     num_tokens: int = 0  # target tokens computed (sum of q_len)
     kv_tokens: int = 0  # sum over sequences of q_len * context length (the time model's third feature)

@@ -176,7 +176,7 @@ class Engine:
                 emitted = sum(len(u.new_token_ids) for u in updates)
                 self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
                                                     st.draft_steps, st.draft_ms, other_ms, emitted,
-                                                    st.catchup_tokens)])
+                                                    st.catchup_tokens, st.draft_seqs)])
             self.stats.decode_seq_ms += len(updates) * step_ms
             self.stats.decode_tokens += sum(len(u.new_token_ids) for u in updates)
             if plan.trace:

@@ -13,6 +13,7 @@ A line (n sequences in the step, m draft positions drafted, m <= k):
     draft_steps            m: draft forwards run (the budget, or fewer after an early stop)
     catchup                tokens the first draft forward caught up on (a prompt, or the tokens of
                            steps that drafted nothing, make it long)
+    draft_seqs             sequences that drafted (all of them, or a probe's explored rows alone)
     draft_ms, validate_ms  measured on rank 0; predicted_validate_ms is what the time model
                            in force predicted for that validation
     control_ms             rank 0's time in speculation control (budget, early stop, keep,
@@ -52,7 +53,7 @@ class TraceWriter:
             return
         line = {"label": self.label, "step": plan.step, "mode": plan.mode, "version": plan.time_model_version,
                 "batch": stats.num_seqs, "probe": t.probe, "draft_steps": stats.draft_steps,
-                "catchup": stats.catchup_tokens,
+                "catchup": stats.catchup_tokens, "draft_seqs": stats.draft_seqs,
                 "draft_ms": round(stats.draft_ms, 4), "validate_ms": round(stats.validate_ms, 4),
                 "control_ms": round(stats.control_ms, 4),
                 "predicted_validate_ms": round(stats.predicted_validate_ms, 4), "step_ms": round(step_ms, 4),

@@ -69,7 +69,7 @@ class ProfileCost:
         q_knots = doubling_knots(q)
         coef = nonneg_lstsq(np.column_stack([ramps(q, q_knots), [s.kv_tokens for s in val]]),
                             np.array([s.validate_ms for s in val]))
-        n = np.array([s.num_seqs for s in drafts], dtype=np.float64)
+        n = np.array([s.drafting for s in drafts], dtype=np.float64)
         m = np.array([s.draft_steps for s in drafts], dtype=np.float64)
         n_knots = doubling_knots(n)
         r = ramps(n, n_knots)

@@ -181,7 +181,8 @@ class Run:
         t_other = cost.other_ms(n, int(emitted.sum()))
         step_ms = t_draft + t_val + t_other + control
         new = self.registry.add([StepSample(n, int((keep + 1).sum()), int(((keep + 1) * ctx_kv).sum()), t_val, m,
-                                            t_draft, t_other + control, int(emitted.sum()))])
+                                            t_draft, t_other + control, int(emitted.sum()),
+                                            draft_seqs=len(drafting) if m else 0)])
         if new is not None:
             self.version = policy.install(new)
         kv[live] += accepted + 1

@@ -106,7 +106,7 @@ def samples(path: str | Path) -> list[StepSample]:
         emitted = sum(x + 1 for x in t["accepted"]) if t["accepted"] else t["batch"]
         other = max(t["step_ms"] - t["draft_ms"] - t["validate_ms"] - t.get("control_ms", 0.0), 1e-3)
         out.append(StepSample(t["batch"], sum(q), sum(a * b for a, b in zip(q, t["kv"])), t["validate_ms"],
-                              t["draft_steps"], t["draft_ms"], other, emitted))
+                              t["draft_steps"], t["draft_ms"], other, emitted, draft_seqs=t.get("draft_seqs", 0)))
     return out
 
 
