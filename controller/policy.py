@@ -1,8 +1,9 @@
 """Speculation control on one rank: the time models plans name, each step's decisions
 (`begin_step` -> SpecStep: draft budget, early stop, the keep decision; controller/step.py),
-and calibration from the outcomes (`end_step`). Everything here is a deterministic function of what every rank holds (the
-gathered draft distributions, validation outcomes, the plan's mode, step and time-model
-version), so all ranks reach the same answers without talking to each other.
+and calibration from the outcomes (`end_step`). Everything here is a deterministic
+function of what every rank holds (the gathered draft distributions, validation outcomes,
+the plan's mode, step and time-model version), so all ranks reach the same answers
+without talking to each other.
 
 Modes (chosen per step by the plan):
   static    draft k, verify every draft

@@ -4,8 +4,9 @@ Each step a proposer first *catches up*: it computes, in one packed forward, eve
 position that became final since it last ran (the tokens accepted by the last validation)
 and so produces the distribution of draft 1. Then `next` runs one autoregressive draft
 step for all sequences at once. The step's drafting state is the `DraftRun` that `begin`
-returns and `next` advances; a proposer keeps nothing between the two. Draft-cache slots written by `next` are speculative; they
-are overwritten by a later catch-up, since KV writes are indexed by position.
+returns and `next` advances; a proposer keeps nothing between the two. Draft-cache slots
+written by `next` are speculative; they are overwritten by a later catch-up, since KV
+writes are indexed by position.
 """
 from __future__ import annotations
 
