@@ -95,7 +95,8 @@ class ProfileRegistry:
         val = np.array([s.validate_ms for s in validated])
         # the draft cost of steady drafting: a step that first caught up on a prompt or on the tokens
         # of steps that drafted nothing paid a one-off the budget must not expect at every step
-        drafted = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
+        drafted = [s for s in data
+                   if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
         draft_n = np.array([s.drafting for s in drafted], dtype=np.float64)
         draft_ms = np.array([s.draft_ms for s in drafted])
         draft_steps = np.array([s.draft_steps for s in drafted], dtype=np.float64)
