@@ -36,7 +36,8 @@ class SeqState:
     # MTP: target hiddens of positions hidden_start..num_computed-1, as (tensor, first row, rows) pieces: a
     # step only notes where its rows lie, and the pieces are joined when the proposer reads them or once
     # COMPACT_AT have gathered (appending to one tensor copied it whole every step: 7 us a sequence at 200
-    # positions, 5% of a batch-32 step, on every step that does not draft)
+    # positions, 5% of a batch-32 step, on every step that does not draft). A piece keeps its step's whole
+    # (T, H) tensor alive: at most COMPACT_AT steps' worth while MTP does not draft, one or two while it does.
     hidden_parts: list = field(default_factory=list)
     hidden_start: int = 0
 
