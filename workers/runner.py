@@ -210,22 +210,24 @@ class ModelRunner:
         for j in range(budget):
             q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
             top2, top_ids = q.topk(2, dim=-1)
-            p_top, d, margin = top2[:, 0].clone(), top_ids[:, 0].clone(), top2[:, 0] - top2[:, 1]
-            p_tok = p_top.clone()
+            two = top2.numpy()  # float32; numpy subtracts float32 as torch does: the same margins
+            p_top, margin = two[:, 0].astype(np.float64), (two[:, 0] - two[:, 1]).astype(np.float64)
+            d = top_ids[:, 0]  # a view: sampled rows overwrite it below, and nothing else reads top_ids
+            p_tok = p_top.copy()
             for i in sampled:
                 qi = probs_from_logits(logits[i].float().cpu(), params[i])
                 qs[i].append(qi)
                 d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
-                two = qi.topk(2).values
-                p_top[i], p_tok[i], margin[i] = two[0], qi[d[i]], two[0] - two[1]
+                best = qi.topk(2).values
+                p_top[i], p_tok[i], margin[i] = float(best[0]), float(qi[d[i]]), float(best[0] - best[1])
             if trace:
                 dist = q.clone()
                 for i in sampled:
                     dist[i] = qs[i][-1]
                 entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
             tokens.append(d)
-            top_cols.append(p_top.double().numpy())
-            margins.append(margin.double().numpy())
+            top_cols.append(p_top)
+            margins.append(margin)
             chosen.append(p_tok)
             if j == budget - 1:
                 break
@@ -235,7 +237,7 @@ class ModelRunner:
             if not more:
                 break
             logits = self.proposer.next(run, d.to(self.device))
-        return DraftBlock(torch.stack(tokens, 1), np.stack(top_cols, 1), torch.stack(chosen, 1).double().numpy(),
+        return DraftBlock(torch.stack(tokens, 1), np.stack(top_cols, 1), np.stack(chosen, 1),
                           len(tokens), {i: torch.stack(rows) for i, rows in qs.items()}, np.stack(margins, 1),
                           torch.stack(entropies, 1).double().numpy() if trace else None, control_ms,
                           run.catchup_tokens)
