@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import StepCosts, best_one, decide_scored
+from controller.decision import StepCosts, decide_scored
 
 
 def worth_drafting(cols: list, costs: StepCosts, min_gain: float, stop_ms: float, go_ms: float, rate: float,
@@ -20,11 +20,7 @@ def worth_drafting(cols: list, costs: StepCosts, min_gain: float, stop_ms: float
     lists for small batches, arrays otherwise); stop_ms, go_ms: the draft time of j and of
     j + 1 steps; rate: the next position's conditional acceptance; cap: drafts each sequence
     may verify (a list or an array, as cols)."""
-    j = len(cols)
-    if len(cols[0]) == 1 and isinstance(cols[0], list):  # batch 1: one row, in draft order (0.007 ms a step less)
-        row, one_cap = [col[0] for col in cols], cap[0]
-        count, go = best_one(row + [rate], costs, min_gain, go_ms, one_cap)
-        return count > j and go > best_one(row, costs, min_gain, stop_ms, one_cap)[1]
+    j = len(cols)  # (batch 1 with the default estimator decides in controller/one_row.py instead)
     if isinstance(cols[0], list):  # small batch: plain Python end to end
         conf = [list(row) for row in zip(*cols)]
         ahead = [row + [rate] for row in conf]

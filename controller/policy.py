@@ -47,9 +47,9 @@ class SpecPolicy:
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
         self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
-        self._set_rates()
         self._f_cache: dict[tuple, tuple] = {}  # f values a time model gives a batch size (see f_values)
-        self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms)
+        self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms); _set_rates empties it
+        self._set_rates()
 
     # ------------------------------------------------------------------ time models
     def install(self, model: TimeModel) -> int:

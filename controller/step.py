@@ -139,8 +139,7 @@ class SpecStep:
 
     # ------------------------------------------------------------------ helpers
     def _one_row_ok(self) -> bool:
-        return len(self.kv) == 1 and self.max_keep_list is not None and \
-            self.policy.cfg.adaptive.estimator == "top_prob_logistic"
+        return len(self.kv) == 1 and self.policy.cfg.adaptive.estimator == "top_prob_logistic"
 
     def _one_row(self, top_prob, margin, count: int) -> OneRow:
         """Batch 1's prefixes with the estimates of the first `count` drafts added (top_prob,
