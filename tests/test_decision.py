@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controller.decision import (CONF_ONE, SMALL, _decide_numpy, decide_small, decide, path_probs, quantize,
@@ -148,6 +148,7 @@ def test_one_sequence_path_equals_vectorised_path(row, b0, b1, b2, o1, draft_ms,
        b0=st.floats(0.1, 20), b1=st.floats(0.001, 5), b2=st.floats(0, 0.01), o1=st.floats(0, 1),
        d_first=st.floats(0, 3), g=st.floats(0, 3), min_gain=st.sampled_from([0.0, 0.01, 0.1]),
        kv=st.integers(1, 500), cap=st.integers(0, 7), rate=st.floats(0, 1))
+@example(row=[1.0], b0=1.0, b1=1.0, b2=0.0, o1=0.0, d_first=2.0, g=0.0, min_gain=0.1, kv=1, cap=2, rate=0.5)
 def test_one_row_built_up_a_draft_at_a_time_decides_as_best_one(row, b0, b1, b2, o1, d_first, g, min_gain, kv,
                                                                cap, rate):
     """OneRow (batch 1, prefixes added as drafts arrive) answers the early stop and the keep
