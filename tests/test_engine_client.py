@@ -1,7 +1,8 @@
 """The engine loop's poll pacing, with a stand-in engine that emits one token of one request
 per step: a poll asked for an interval returns at most that often while a stream runs, but a
 sample's first text and its end come at once (a client waits on the one, and sends its next
-request after the other)."""
+request after the other). Then the replica's side of it, EngineClient, against a real engine
+actor: its update stream and the actor's death."""
 from __future__ import annotations
 
 import time
@@ -58,3 +59,40 @@ def test_polls_keep_the_interval_but_let_a_first_text_and_an_end_through_at_once
     assert len(streaming) >= 2 and streaming.min() >= INTERVAL_S * 0.95  # in between, the interval
     joined = [t for _, out in polls for t in out.new_token_ids]
     assert joined == polls[-1][1].token_ids  # coalesced updates lose no token
+
+
+def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_dies(ray_session):
+    """The replica's side against a real engine actor: a stream's updates join to the engine's
+    own tokens; killing the actor mid-stream ends every open stream with EngineDeadError (no
+    stream hangs), and new requests are refused."""
+    import asyncio
+
+    import pytest
+
+    from cluster.engine.core import load_tokenizer
+    from cluster.serving.engine_client import EngineClient
+    from cluster.serving.engine_loop import EngineDeadError
+    from tests.conftest import greedy, local_engine, tiny_config
+
+    cfg = tiny_config("parallel.tp_size=1", "serve.stream_interval_ms=5")
+    prompt = [1, 17, 29, 300, 5]
+    expected = local_engine(cfg).generate([prompt], greedy(24))[0][0].token_ids
+
+    async def scenario():
+        client = EngineClient(cfg, load_tokenizer(cfg.model.target))
+        try:
+            joined = [t async for out in await client.add(prompt, greedy(24)) for t in out.new_token_ids]
+            assert joined == expected
+            long = await client.add(prompt, greedy(400))
+            first = await anext(aiter(long))
+            assert first.new_token_ids
+            ray_session.kill(client.actor)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(long.final(), 15)
+            assert not client.is_alive()
+            with pytest.raises(EngineDeadError):
+                await client.add(prompt, greedy(4))
+        finally:
+            client.shutdown()
+
+    asyncio.run(scenario())
