@@ -247,6 +247,7 @@ def test_metrics(base_url, client):
         time.sleep(0.2)
     assert values['adaspec_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert values['adaspec_requests_total{route="/v1/completions",status="400"}'] >= 1
+    assert values['adaspec_requests_total{route="/v1/completions",status="401"}'] >= 1  # test_wrong_or_missing_key
     assert values["adaspec_generation_tokens_total"] >= MAX_TOKENS and values["adaspec_prompt_tokens_total"] > 0
     for name in ("adaspec_time_to_first_token_seconds_count", "adaspec_time_per_output_token_seconds_count",
                  "adaspec_e2e_request_latency_seconds_count", "adaspec_spec_drafted_tokens_total",

@@ -148,22 +148,49 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
+class AuthorizeAndCount:
+    """The API key check and the per-route request count, as plain ASGI: Starlette's
+    BaseHTTPMiddleware would pass every streamed chunk through a memory stream and a task
+    switch of its own."""
+
+    def __init__(self, app, server: OpenAIServer, key: str | None):
+        self.app, self.server = app, server
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        if self.expected is not None and path not in UNAUTHENTICATED:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.server.metrics.observe_request(route, 401)
+                response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                    code="invalid_api_key").response()
+                return await response(scope, receive, send)
+        started = False
+
+        async def counted(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.server.metrics.observe_request(route, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except BaseException:
+            if not started:  # Starlette's outer error handler answers 500
+                self.server.metrics.observe_request(route, 500)
+            raise
+
+
 def build_routes(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="adaspec", docs_url=None, redoc_url=None, openapi_url=None)
     key, limit = server.cfg.serve.api_key, server.cfg.serve.max_request_bytes
 
-    @app.middleware("http")
-    async def authorize_and_count(request: Request, call_next):
-        given = request.headers.get("authorization", "").encode()
-        if key and request.url.path not in UNAUTHENTICATED and not hmac.compare_digest(given, f"Bearer {key}".encode()):
-            response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-        else:
-            response = await call_next(request)
-        path = request.url.path
-        server.metrics.observe_request(path if path in ROUTES else "other", response.status_code)
-        return response
-
+    app.add_middleware(AuthorizeAndCount, server=server, key=key)
     app.add_exception_handler(APIError, lambda _, e: e.response())
     app.add_exception_handler(RequestError, lambda _, e: request_error(e))
     app.add_exception_handler(StarletteHTTPException, lambda _, e: APIError(e.status_code, str(e.detail)).response())
