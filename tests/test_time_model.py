@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from controller.registry import RECENT, ProfileRegistry, StepSample
+from controller.registry import RECENT, STEADY_CATCHUP, ProfileRegistry, SampleColumns, StepSample
 from controller.time_model import TimeModel, fit
 
 
@@ -50,6 +50,56 @@ def test_registry_refits_on_schedule_and_on_drift():
     assert reg.add(_samples(rng, 1)).version == 3  # the 50th sample
     slow = _samples(rng, RECENT, b=(20.0, 0.5, 1e-3))  # the machine got 10x slower: refit before 50
     assert reg.add(slow).version == 4
+
+
+def test_sample_columns_keep_the_last_window_in_order():
+    rng = np.random.default_rng(3)
+    data = _samples(rng, 8)
+    ring = SampleColumns(size=5)
+    for s in data:
+        ring.append(s)
+    assert len(ring) == 5 and ring.samples() == data[3:]
+    assert SampleColumns(data[:2], size=5).samples() == data[:2] and SampleColumns().samples() == []
+
+
+def test_refit_reads_the_columns_as_the_samples_say():
+    """A refit from the columns equals `fit` over the samples' own fields (the rule as written
+    per sample: validated steps, steady draft steps at the rows that drafted, timed rests)."""
+    rng = np.random.default_rng(4)
+    sweep = _samples(rng, 30) + [StepSample(4, 0, 0, 0.0, 2, 1.1)]  # a sweep draft point
+    online = []
+    for i, s in enumerate(_samples(rng, 300)):
+        online.append(dataclasses.replace(s, draft_steps=i % 3, draft_seqs=i % 4, catchup_tokens=(i * 7) % 90,
+                                          other_ms=(i % 5) * 0.1, emitted=i % 6, draft_ms=0.3 + 0.01 * i))
+    reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1), sweep=sweep)
+    reg.add(online)
+    data = sweep + online
+    validated = [s for s in data if s.q_tokens > 0]
+    steady = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
+    timed = [s for s in data if s.other_ms > 0 and s.emitted > 0]
+    expected = fit(np.array([s.features() for s in validated]), np.array([s.validate_ms for s in validated]),
+                   np.array([s.drafting for s in steady], dtype=np.float64), np.array([s.draft_ms for s in steady]),
+                   2, "linear", (np.array([s.emitted for s in timed], dtype=np.float64),
+                                 np.array([s.other_ms for s in timed])),
+                   np.array([s.draft_steps for s in steady], dtype=np.float64))
+    assert reg.refit() == expected
+    assert reg.online == online
+
+
+def test_drift_refits_back_off_while_they_do_not_cure_the_error():
+    """A regime the fit cannot follow (the window is mostly the old one): drift refits come
+    after 32, 64, 128 and then every refit_every samples, not every 32."""
+    rng = np.random.default_rng(5)
+    reg = ProfileRegistry(refit_every=256, initial=TimeModel(version=1))
+    reg.seed(_samples(rng, 40))
+    reg.add(_samples(rng, 2000))  # scheduled refits on the old regime
+    start, refits = reg.model.version, []
+    for i, s in enumerate(_samples(rng, 1000, b=(20.0, 0.5, 1e-3)), 1):
+        if reg.add([s]) is not None:
+            refits.append(i)
+    gaps = np.diff([0] + refits).tolist()
+    assert gaps[:4] == [RECENT, 2 * RECENT, 4 * RECENT, 256], gaps
+    assert reg.model.version == start + len(refits)
 
 
 def test_worker_keeps_the_version_plans_use_however_many_refits_arrive():

@@ -169,8 +169,8 @@ class ModelRunner:
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps, stats.catchup_tokens = len(ids), draft.steps, draft.catchup_tokens
         stats.draft_seqs = (len(seqs) if draft.rows is None else len(draft.rows)) if draft.steps else 0
-        stats.predicted_validate_ms = step.model.validate_ms(keep + 1, kv)
         stats.kv_tokens = int(((keep + 1) * kv).sum())
+        stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
         t0 = time.perf_counter()
         width = int(keep.max())
