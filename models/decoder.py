@@ -12,11 +12,12 @@ from models import kernels
 from models.attention import AttnBatch, KVCache, new_kv_cache, paged_attention
 from models.config import ModelArch
 from models.layers import RMSNorm, RotaryEmbedding
+from models.module import Module
 from models.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                              TPGroup, VocabParallelEmbedding)
 
 
-class Attention(nn.Module):
+class Attention(Module):
     def __init__(self, arch: ModelArch, tp: TPGroup):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, tp,
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """SwiGLU, intermediate dimension split over ranks. `reduce=False` leaves the partial
     sum to the caller (an MoE layer reduces its experts' sum once)."""
 
@@ -67,7 +68,7 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(self, arch: ModelArch, tp: TPGroup, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -80,7 +81,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(Module):
     layer_class = DecoderLayer
 
     def __init__(self, arch: ModelArch, tp: TPGroup):
@@ -96,7 +97,7 @@ class DecoderModel(nn.Module):
         return self.norm(x)  # (T, H): the hidden state the head and the MTP module read
 
 
-class CausalLM(nn.Module):
+class CausalLM(Module):
     """Decoder plus vocab-parallel head. `forward` returns final hidden states; `logits`
     turns selected ones into full-vocabulary logits on every rank."""
 

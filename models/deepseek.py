@@ -8,18 +8,18 @@ the layers differ, and its KV cache holds latents (models/mla.py).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from models.attention import AttnBatch, KVCache
 from models.config import ModelArch
 from models.decoder import MLP, CausalLM, DecoderModel
 from models.layers import RMSNorm
 from models.mla import MLAttention
+from models.module import Module
 from models.moe import MoE
 from models.parallel import ParallelLMHead, ReplicatedLinear, TPGroup
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(Module):
     def __init__(self, arch: ModelArch, tp: TPGroup, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -40,7 +40,7 @@ class DeepseekV3CausalLM(CausalLM):
     model_class = DeepseekModel
 
 
-class SharedHead(nn.Module):
+class SharedHead(Module):
     def __init__(self, arch: ModelArch, tp: TPGroup):
         super().__init__()
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from models import kernels
+from models.module import Module
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -76,7 +77,7 @@ def _tables(max_positions: int, inv_freq: tuple[float, ...], scale: float = 1.0)
     return (freqs.cos() * scale).float(), (freqs.sin() * scale).float()
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Neox-style rotation (halves), indexed by absolute position per token."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from models.attention import AttnBatch, KVCache
 from models.config import ModelArch
 from models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
+from models.module import Module
 from models.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TPGroup
 
 
@@ -37,7 +37,7 @@ def softmax_scale(arch: ModelArch) -> float:
     return scale
 
 
-class MLAttention(nn.Module):
+class MLAttention(Module):
     def __init__(self, arch: ModelArch, tp: TPGroup):
         super().__init__()
         ds, hidden = arch.deepseek, arch.hidden_size

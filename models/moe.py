@@ -12,10 +12,11 @@ from torch import nn
 
 from models.config import ModelArch
 from models.decoder import MLP
+from models.module import Module
 from models.parallel import TPGroup
 
 
-class Router(nn.Module):
+class Router(Module):
     """Sigmoid scores; experts chosen on scores + e_score_correction_bias, within the
     topk_group best of n_group groups (a group scored by its two best experts); weights
     are the chosen experts' plain scores, normalised if norm_topk_prob, times
@@ -55,7 +56,7 @@ class Router(nn.Module):
         return weights * self.scaling, experts
 
 
-class MoE(nn.Module):
+class MoE(Module):
     def __init__(self, arch: ModelArch, tp: TPGroup):
         super().__init__()
         ds = arch.deepseek

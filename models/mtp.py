@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from models.attention import AttnBatch, KVCache
 from models.config import ModelArch
@@ -20,10 +19,11 @@ from models.decoder import DecoderLayer
 from models.deepseek import DeepseekMTPLayer
 from models.layers import RMSNorm
 from models.loader import iter_tensors, load_weights
+from models.module import Module
 from models.parallel import ReplicatedLinear, TPGroup
 
 
-class MTPModule(nn.Module):
+class MTPModule(Module):
     def __init__(self, arch: ModelArch, tp: TPGroup):
         super().__init__()
         hidden = arch.hidden_size

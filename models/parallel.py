@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import kernels
+from models.module import Module
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def _narrow(full: torch.Tensor, dim: int, index: int, size: int) -> torch.Tensor
     return full.narrow(dim, index * size, size)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(Module):
     """The same full weight on every rank (small projections such as MTP's eh_proj)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -63,7 +64,7 @@ class ReplicatedLinear(nn.Module):
         return kernels.linear(self, x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Module):
     """Output features split across ranks; no communication in forward."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
@@ -121,7 +122,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         dst.copy_(src)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Module):
     """Input features split across ranks; partial sums are all-reduced in forward, unless
     `reduce=False`: then the caller sums several partial outputs and reduces once (MoE)."""
 
@@ -149,7 +150,7 @@ def padded_vocab(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     """Rows of the (padded) vocabulary split across ranks; lookups are all-reduced."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):

@@ -187,3 +187,21 @@ def test_thread_pool_works_in_a_forked_child(ops):
             got += chunk
     os.waitpid(pid, 0)
     assert got == expected.numpy().tobytes()
+
+
+def test_module_calls_forward_directly_but_honours_hooks_on_the_instance():
+    from models.module import Module
+
+    class Double(Module):
+        def forward(self, x):
+            return 2 * x
+
+    m, one = Double(), torch.ones(1)
+    assert m(one).item() == 2
+    seen = []
+    hook = m.register_forward_hook(lambda mod, args, out: seen.append(out.item()))
+    pre = m.register_forward_pre_hook(lambda mod, args: (args[0] * 3,))
+    assert m(one).item() == 6 and seen == [6.0]
+    hook.remove()
+    pre.remove()
+    assert m(one).item() == 2 and seen == [6.0]
