@@ -205,3 +205,37 @@ def test_module_calls_forward_directly_but_honours_hooks_on_the_instance():
     hook.remove()
     pre.remove()
     assert m(one).item() == 2 and seen == [6.0]
+
+
+def test_module_keeps_what_it_reads_until_it_is_assigned_or_converted():
+    """Module keeps a read submodule or parameter in its __dict__: an assignment, a deletion
+    or a conversion that replaces parameters (here: on conversion, new Parameter objects)
+    must never leave the old one visible."""
+    from torch import nn
+
+    from models.module import Module
+
+    class M(Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.w = nn.Parameter(torch.ones(2))
+
+    m = M()
+    assert m.w is m._parameters["w"] and "w" in m.__dict__ and m.lin is m._modules["lin"]
+    m.w = nn.Parameter(torch.full((2,), 3.0))
+    assert m.w is m._parameters["w"] and float(m.w.sum()) == 6
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        old = m.w
+        m.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(before)
+    assert m.w is not old and m.w is m._parameters["w"] and m.w.dtype == torch.float64
+    m.w = None
+    assert m.w is None
+    del m.w
+    assert not hasattr(m, "w")
+    m.lin = nn.Linear(3, 3)
+    assert m.lin.in_features == 3 and sorted(m.state_dict()) == ["lin.bias", "lin.weight"]
