@@ -239,3 +239,34 @@ def test_module_keeps_what_it_reads_until_it_is_assigned_or_converted():
     assert not hasattr(m, "w")
     m.lin = nn.Linear(3, 3)
     assert m.lin.in_features == 3 and sorted(m.state_dict()) == ["lin.bias", "lin.weight"]
+
+
+def test_attention_batch_from_python_equals_the_numpy_build():
+    """AttnBatch.build does a few tokens' index arithmetic in plain Python and longer batches in
+    numpy: the same tensors either way, and the same error for a position past every table."""
+    import numpy as np
+
+    from models.attention import PYTHON_TOKENS, AttnBatch
+
+    rng = np.random.default_rng(0)
+    fields = ("positions", "slots", "q_seq", "q_col", "tables", "last_index")
+    checked = 0
+    for _ in range(500):
+        n = int(rng.integers(1, 6))
+        lens = [int(x) for x in rng.integers(1, 4, n)]  # at most 15 tokens: the Python path
+        starts = [int(x) for x in rng.integers(0, 100, n)]
+        tables = [[int(x) for x in rng.integers(0, 50, max((s + q) // 16 + 1 - int(rng.integers(0, 2)), 1))]
+                  for s, q in zip(starts, lens)]
+        assert sum(lens) <= PYTHON_TOKENS
+        try:
+            want = AttnBatch._build_numpy(starts, lens, tables, 16, "cpu")
+        except IndexError:
+            with pytest.raises(IndexError):
+                AttnBatch.build(starts, lens, tables, 16)
+            continue
+        got = AttnBatch.build(starts, lens, tables, 16)
+        for f in fields:
+            assert torch.equal(getattr(got, f), getattr(want, f)) and getattr(got, f).dtype == torch.int64, f
+        assert (got.starts, got.lens, got.short) == (want.starts, want.lens, want.short)
+        checked += 1
+    assert checked > 200
