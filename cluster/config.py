@@ -60,7 +60,7 @@ class ServeConfig:
     # the app's replica answers HTTP on serve.port itself, no proxy hop (Ray Serve's throughput mode;
     # set for an embedded Ray: a cluster reached by address keeps its own setting)
     direct_ingress: bool = True
-    stream_interval_ms: float = 20.0  # a stream gets at most one chunk this often (updates coalesce); first text and end at once
+    stream_interval_ms: float = 50.0  # a stream gets at most one chunk this often (updates coalesce); first text and end at once
 
 
 @dataclass
