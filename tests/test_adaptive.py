@@ -105,3 +105,28 @@ def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts,
         assert drafted and all(s.draft_seqs == 1 < s.num_seqs for s in drafted)
     finally:
         engine.shutdown()
+
+
+def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, sharegpt_prompts):
+    """What a step's drafting cost, as the registry learns it, is its draft forwards plus the
+    early stops and the keep decision (the trace's draft_ms is the forwards alone): a budget
+    fitted on the forwards alone drafted where the decisions cost more than drafting brought."""
+    import json
+
+    trace = tmp_path / "steps.jsonl"
+    engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE, f"engine.trace_path={trace}"))
+    try:
+        engine.time_models.install(PRUNING_MODEL)
+        for prompt in sharegpt_prompts[:4]:
+            engine.add_request(prompt, greedy(24))
+        while engine.has_work():
+            engine.step()
+        online = engine.time_models.registry.online
+    finally:
+        engine.shutdown()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == len(online) and [x["batch"] for x in lines] == [s.num_seqs for s in online]
+    drafted = [(x, s) for x, s in zip(lines, online) if x["draft_steps"]]
+    assert drafted
+    for x, s in drafted:
+        assert x["draft_ms"] < s.draft_ms <= x["draft_ms"] + x["control_ms"] + 1e-3

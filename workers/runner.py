@@ -160,6 +160,7 @@ class ModelRunner:
         t3 = time.perf_counter()
         stats.draft_ms = (t2 - t1) * 1e3 - draft.control_ms  # the draft forwards, without the early stop
         stats.control_ms = (t1 - t0 + t3 - t2) * 1e3 + draft.control_ms
+        stats.draft_control_ms = (t3 - t2) * 1e3 + draft.control_ms
         t1 = t3
         lens = (keep + 1).tolist()
         batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,

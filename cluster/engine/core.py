@@ -172,10 +172,12 @@ class Engine:
         if plan.decode:
             step_ms = (time.perf_counter() - start) * 1e3
             if self.time_models is not None:
-                other_ms = max(step_ms - st.draft_ms - st.validate_ms, 1e-3)
+                # what drafting cost includes deciding on it: the early stops and the keep decision
+                draft_ms = st.draft_ms + st.draft_control_ms
+                other_ms = max(step_ms - draft_ms - st.validate_ms, 1e-3)
                 emitted = sum(len(u.new_token_ids) for u in updates)
                 self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
-                                                    st.draft_steps, st.draft_ms, other_ms, emitted,
+                                                    st.draft_steps, draft_ms, other_ms, emitted,
                                                     st.catchup_tokens, st.draft_seqs)])
             self.stats.decode_seq_ms += len(updates) * step_ms
             self.stats.decode_tokens += sum(len(u.new_token_ids) for u in updates)
