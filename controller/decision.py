@@ -167,10 +167,20 @@ def decide_scored(confidence, costs: StepCosts, min_gain: float, draft_ms: float
 
 def _decide_numpy(confidence: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float,
                   max_keep: np.ndarray | None, refine: bool = True, scored: bool = False):
-    n, k = confidence.shape
     a = path_probs(quantize(confidence))  # (n, k)
-    if max_keep is not None:
-        a = np.where(np.arange(k)[None, :] < np.asarray(max_keep)[:, None], a, 0)
+    return decide_paths(a if max_keep is None else capped(a, max_keep), costs, min_gain, draft_ms, refine, scored)
+
+
+def capped(a: np.ndarray, max_keep) -> np.ndarray:
+    """Path probabilities with those past each sequence's cap set to 0 (never kept)."""
+    return np.where(np.arange(a.shape[1])[None, :] < np.asarray(max_keep)[:, None], a, 0)
+
+
+def decide_paths(a: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float, refine: bool = True,
+                 scored: bool = False):
+    """The numpy rule from (n, k) quantised path probabilities, 0 where a draft may not be kept
+    (a caller that keeps them across a step's decisions skips quantising them again)."""
+    n, k = a.shape
     ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
     live = int((a > 0).sum())
     f = costs.f[:live + 1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import StepCosts, decide_scored
+from controller.decision import CONF_BITS, StepCosts, capped, decide_paths, decide_scored, quantize
 
 
 def worth_drafting(cols: list, costs: StepCosts, min_gain: float, stop_ms: float, go_ms: float, rate: float,
@@ -29,3 +29,15 @@ def worth_drafting(cols: list, costs: StepCosts, min_gain: float, stop_ms: float
         ahead = np.concatenate([conf, np.full((len(conf), 1), rate)], 1)
     keep, go = decide_scored(ahead, costs, min_gain, go_ms, cap)
     return int(max(keep)) > j and go > decide_scored(conf, costs, min_gain, stop_ms, cap)[1]
+
+
+def worth_drafting_paths(paths: list[np.ndarray], costs: StepCosts, min_gain: float, stop_ms: float, go_ms: float,
+                         rate: float, cap: np.ndarray) -> bool:
+    """worth_drafting for a large batch whose drafted positions' path probabilities are already
+    quantised (path_probs' columns, before the cap): the same integers, so the same answer,
+    without quantising every column again at each draft step."""
+    j = len(paths)
+    ahead = np.stack(paths + [(paths[-1] * int(quantize(rate))) >> CONF_BITS], 1)
+    ahead = capped(ahead, cap)
+    keep, go = decide_paths(ahead, costs, min_gain, go_ms, refine=False, scored=True)
+    return int(keep.max()) > j and go > decide_paths(ahead[:, :j], costs, min_gain, stop_ms, False, True)[1]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import SMALL, StepCosts, draft_units, decide_small, decide_with, step_costs
-from controller.early_stop import worth_drafting
+from controller.decision import (CONF_BITS, SMALL, StepCosts, capped, decide_paths, decide_small, decide_with, draft_units,
+                                 quantize, step_costs)
+from controller.early_stop import worth_drafting, worth_drafting_paths
 from controller.one_row import OneRow
 from controller.time_model import TimeModel
 
@@ -38,6 +39,7 @@ class SpecStep:
         self.costs: StepCosts | None = None  # adaptive steps: the decision's time terms, on first use
         self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
+        self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
         self._g: float | None = None  # the time model's g(n), asked once per step
         self._one: OneRow | None = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time
         self._set_caps(max_keep)
@@ -97,9 +99,12 @@ class SpecStep:
             return self._one_row(top_prob, margin, j).worth_drafting(
                 draft_units(self._draft_ms(j)), draft_units(self._draft_ms(j + 1)), self.policy.next_rates[j])
         cols = self._estimates(top_prob, margin, j)
+        if not isinstance(cols[0], list):  # large batch: each position's path probabilities quantised once
+            return worth_drafting_paths(self._path_cols(j), self._costs(), self.policy.cfg.adaptive.min_gain,
+                                        self._draft_ms(j), self._draft_ms(j + 1), self.policy.next_rates[j],
+                                        self.max_keep)
         return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
-                              self._draft_ms(j + 1), self.policy.next_rates[j],
-                              self.max_keep_list if isinstance(cols[0], list) else self.max_keep)
+                              self._draft_ms(j + 1), self.policy.next_rates[j], self.max_keep_list)
 
     # ------------------------------------------------------------------ keep
     def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
@@ -130,8 +135,12 @@ class SpecStep:
             for i in self.explore:
                 out[i] = min(self.max_keep_list[i], m)
             return np.array(out)
-        keep = self.rule_keep = decide_with(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms,
-                                            self.max_keep)
+        if policy.cfg.adaptive.estimator == "token_prob":
+            keep = decide_with(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms, self.max_keep)
+        else:  # the early stop's path probabilities, quantised once per position
+            keep = decide_paths(capped(np.stack(self._path_cols(m), 1), self.max_keep), self._costs(),
+                                policy.cfg.adaptive.min_gain, draft_ms)
+        self.rule_keep = keep
         policy.yields.count_drafts(self.max_keep, m)
         out = keep.copy()
         out[self.explore] = np.minimum(self.max_keep[self.explore], m)
@@ -174,6 +183,14 @@ class SpecStep:
         j = tokens.shape[1]
         match = tokens == self.oracle[:, :j]
         return np.cumprod(match, axis=1).sum(axis=1)
+
+    def _path_cols(self, count: int) -> list[np.ndarray]:
+        """Quantised path probabilities of the first `count` positions (path_probs' columns,
+        before the caps), from the estimates already made (`_estimates`)."""
+        for j in range(len(self._paths), count):
+            q = quantize(self.conf[j])
+            self._paths.append(q if j == 0 else (self._paths[-1] * q) >> CONF_BITS)
+        return self._paths[:count]
 
     def _estimates(self, top_prob, margin, count: int) -> list:
         """Acceptance estimates of the step's first `count` draft positions, one column

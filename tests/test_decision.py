@@ -251,3 +251,28 @@ def test_a_tie_keeps_the_shorter_prefix():
     assert not one.worth_drafting(0, 0, 0.5)  # the early stop: a draft that only ties is not drafted
     one.add(0.5)
     assert one.best(0, 1) == (0, 4.096)
+
+
+def test_early_stop_from_kept_path_probabilities_equals_the_rule():
+    """A large batch's early stop reads the path probabilities its step quantised once per
+    position (worth_drafting_paths): the same answer as worth_drafting from the estimates,
+    on random batches, context costs, caps and min_gain, drafting paying and not."""
+    from controller.early_stop import worth_drafting, worth_drafting_paths
+
+    rng = np.random.default_rng(7)
+    answers = []
+    for _ in range(300):
+        n, j = int(rng.integers(16, 70)), int(rng.integers(1, 7))
+        tm = TimeModel(1, b0=float(rng.uniform(1, 5)), b1=float(rng.uniform(0.001, 0.2)),
+                       b2=float(rng.choice([0.0, 1e-5, 1e-4])))
+        costs = step_costs(tm, rng.integers(10, 500, n), n * 8)
+        conf = rng.beta(float(rng.uniform(0.5, 5)), 1.0, size=(n, j))
+        cap, rate = rng.integers(0, 8, n), float(rng.uniform(0.3, 1.0))
+        stop_ms = float(rng.uniform(0, 2))
+        go_ms = stop_ms + float(rng.choice([0.001, 0.05, 0.5]))
+        min_gain = float(rng.choice([0.0, 0.01]))
+        paths = path_probs(quantize(conf))
+        got = worth_drafting_paths([paths[:, c] for c in range(j)], costs, min_gain, stop_ms, go_ms, rate, cap)
+        assert got == worth_drafting([conf[:, c] for c in range(j)], costs, min_gain, stop_ms, go_ms, rate, cap)
+        answers.append(got)
+    assert 10 < sum(answers) < 290, sum(answers)  # both answers were reached (24 True here)

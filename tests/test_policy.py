@@ -211,3 +211,31 @@ def test_the_budget_from_cached_terms_equals_the_formula():
             kv = rng.integers(10, 2000, n)
             assert policy.begin_step("adaptive", kv, np.full(n, 7), 1, 7).best_m == \
                 _budget_by_the_formula(policy, tm, kv, 7), (trial, n)
+
+
+def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
+    """A large batch's early stops and keep read path probabilities the step quantised once per
+    position: keep equals decide_with over the step's own estimates, after every early stop."""
+    from controller.decision import decide_with
+    from controller.step import _matrix
+
+    rng = np.random.default_rng(3)
+    drafted = []
+    for n in (12, 40, 96):
+        policy = _policy(7)
+        model = TimeModel(version=1, b0=2.0, b1=0.005, b2=1e-5, d0=0.05, d1=0.0005)
+        policy.install(model)
+        policy.last_probe = 10**9  # no probe
+        kv, caps = rng.integers(10, 400, n), rng.integers(0, 8, n)
+        step = policy.begin_step("adaptive", kv, caps, 1, 7)
+        top, margin = rng.beta(8, 1, size=(n, 7)), rng.beta(4, 1, size=(n, 7))
+        m = 1
+        while m < 7 and step.keep_drafting([top[:, j] for j in range(m)], [margin[:, j] for j in range(m)],
+                                           [np.zeros(n)] * m):
+            m += 1
+        step.keep(top[:, :m], top[:, :m], margin[:, :m], None)
+        expected = decide_with(_matrix(step.conf[:m]), step._costs(), policy.cfg.adaptive.min_gain,
+                               step._draft_ms(m), step.max_keep)
+        assert np.asarray(step.rule_keep).tolist() == expected.tolist()
+        drafted.append(m)
+    assert max(drafted) > 2, drafted  # some early stops let drafting go on
