@@ -121,8 +121,12 @@ class SpecStep:
             self.rule_keep = [count]
             policy.yields.count_drafts(self.max_keep_list, m)
             return np.array([min(self.max_keep_list[0], m) if self.explore else count])
-        conf = token_prob if policy.cfg.adaptive.estimator == "token_prob" else _matrix(self._estimates(top_prob,
-                                                                                                        margin, m))
+        by_token = policy.cfg.adaptive.estimator == "token_prob"
+        if by_token:
+            conf = token_prob
+        else:  # small batches decide on the estimates as rows; large ones on their path probabilities
+            cols = self._estimates(top_prob, margin, m)
+            conf = _matrix(cols) if isinstance(cols[0], list) else None
         draft_ms = self._draft_ms(m)
         # exploration: the estimator learns only from verified drafts, and those the rule picked are
         # the confident ones; a rotating share, chosen by step and row alone, verifies everything
@@ -135,7 +139,7 @@ class SpecStep:
             for i in self.explore:
                 out[i] = min(self.max_keep_list[i], m)
             return np.array(out)
-        if policy.cfg.adaptive.estimator == "token_prob":
+        if by_token:
             keep = decide_with(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms, self.max_keep)
         else:  # the early stop's path probabilities, quantised once per position
             keep = decide_paths(capped(np.stack(self._path_cols(m), 1), self.max_keep), self._costs(),
@@ -218,9 +222,9 @@ class SpecStep:
         return self.conf[:count]
 
 
-def _matrix(cols: list) -> list[list[float]] | np.ndarray:
-    """Columns (Python lists for small batches, arrays otherwise) -> rows, as the decision takes them."""
-    return [list(row) for row in zip(*cols)] if isinstance(cols[0], list) else np.stack(cols, 1)
+def _matrix(cols: list[list[float]]) -> list[list[float]]:
+    """A small batch's columns (Python lists) -> rows, as the decision takes them."""
+    return [list(row) for row in zip(*cols)]
 
 
 def _column(a, j: int):

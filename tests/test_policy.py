@@ -217,8 +217,6 @@ def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
     """A large batch's early stops and keep read path probabilities the step quantised once per
     position: keep equals decide_with over the step's own estimates, after every early stop."""
     from controller.decision import decide_with
-    from controller.step import _matrix
-
     rng = np.random.default_rng(3)
     drafted = []
     for n in (12, 40, 96):
@@ -234,7 +232,7 @@ def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
                                            [np.zeros(n)] * m):
             m += 1
         step.keep(top[:, :m], top[:, :m], margin[:, :m], None)
-        expected = decide_with(_matrix(step.conf[:m]), step._costs(), policy.cfg.adaptive.min_gain,
+        expected = decide_with(np.stack(step.conf[:m], 1), step._costs(), policy.cfg.adaptive.min_gain,
                                step._draft_ms(m), step.max_keep)
         assert np.asarray(step.rule_keep).tolist() == expected.tolist()
         drafted.append(m)
