@@ -76,7 +76,11 @@ def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_
 
     cfg = tiny_config("parallel.tp_size=1", "serve.stream_interval_ms=5")
     prompt = [1, 17, 29, 300, 5]
-    expected = local_engine(cfg).generate([prompt], greedy(24))[0][0].token_ids
+    engine = local_engine(cfg)
+    try:
+        expected = engine.generate([prompt], greedy(24))[0][0].token_ids
+    finally:
+        engine.shutdown()
 
     async def scenario():
         client = EngineClient(cfg, load_tokenizer(cfg.model.target))

@@ -160,6 +160,7 @@ class Run:
         oracle = np.where(np.arange(kk)[None, :] < true_acc[:, None], 0, 1) if mode == "oracle" else None
         t0 = time.perf_counter()
         step = policy.begin_step(mode, ctx_kv, max_keep, self.version, kk, oracle)
+        t1 = time.perf_counter()
         m = 0
         for j in range(step.budget):
             m += 1
@@ -168,12 +169,16 @@ class Run:
                                                               [tokens[:, i] for i in range(m)]):
                 break
         keep = step.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
+        t2 = time.perf_counter()
         accepted = np.minimum(keep, true_acc)
         width = int(keep.max(initial=0))
         policy.end_step(step, top[:, :width], margin[:, :width], keep, accepted)
-        control = (time.perf_counter() - t0) * 1e3 if control_time else 0.0
+        measured = (time.perf_counter() - t0) * 1e3
+        control = measured if control_time else 0.0
         profiled = cost.control_ms(self.arm.policy, n) if control_time else None
         control = control if profiled is None else profiled  # as measured in the engine, where the cost model has it
+        # as the engine's registry learns it: drafting's cost includes its early stops and keep decision
+        draft_control = control * (t2 - t1) * 1e3 / measured if m and measured > 0 else 0.0
         emitted = np.minimum(accepted + 1, left[live])
         drafting = ctx_kv if step.rows is None else ctx_kv[step.rows]  # a stand-down probe: its rows alone
         t_draft = cost.draft_ms(len(drafting), drafting, m) if m else 0.0
@@ -181,7 +186,8 @@ class Run:
         t_other = cost.other_ms(n, int(emitted.sum()))
         step_ms = t_draft + t_val + t_other + control
         new = self.registry.add([StepSample(n, int((keep + 1).sum()), int(((keep + 1) * ctx_kv).sum()), t_val, m,
-                                            t_draft, t_other + control, int(emitted.sum()),
+                                            t_draft + draft_control, t_other + control - draft_control,
+                                            int(emitted.sum()),
                                             draft_seqs=len(drafting) if m else 0)])
         if new is not None:
             self.version = policy.install(new)
