@@ -124,6 +124,7 @@ void attend_item(const float* qg, const float* kc, const float* vc, const int64_
 // explicit vector so it stays in a register: G heads' scores of a block while its keys
 // stream by, then G x HD/16 output vectors while the values do.
 using adaspec::load16;
+using adaspec::store16;
 using adaspec::vec16;
 
 template <int HD, int G>
@@ -142,7 +143,7 @@ void attend_item16(const float* qg, const float* kc, const float* vc, const int6
     }
     for (int h = 0; h < G; ++h) {
       const vec16 sc = acc[h] * scale;
-      std::memcpy(scores.data() + h * stride + b * B, &sc, sizeof(vec16));
+      store16(scores.data() + h * stride + b * B, sc);
     }
   }
   float inv[G];
@@ -165,7 +166,7 @@ void attend_item16(const float* qg, const float* kc, const float* vc, const int6
   for (int h = 0; h < G; ++h)
     for (int j = 0; j < NV; ++j) {
       const vec16 r = o[h][j] * inv[h];
-      std::memcpy(out + h * HD + j * 16, &r, sizeof(vec16));
+      store16(out + h * HD + j * 16, r);
     }
 }
 

@@ -20,41 +20,50 @@ constexpr int64_t LANES = 16;  // one AVX-512 vector of floats
 constexpr int64_t PANELS = 4;  // panels per column group (64 columns)
 constexpr int64_t ROWS = 4;    // rows per register tile
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
 
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(vec));
-  return v;
-}
+// One unaligned vector load (see vec_math.h: through std::memcpy GCC 12 made it 10x slower).
+inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 
 // Rows [0, R) of x against panels [0, P) starting at wp; columns beyond `cols` are dropped.
 template <int R, int P>
 void tile(const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  // acc must stay in registers: its loops are unrolled and its address is never taken (the
+  // bias and the stores go through copies). GCC 12 kept an addressed acc on the stack, one
+  // load and store per multiply-add: 10x slower.
   vec acc[R][P];
+#pragma GCC unroll 4
   for (int j = 0; j < P; ++j) {
-    vec b = {};
+    float lanes[LANES] = {};
     if (bias != nullptr) {
-      for (int64_t l = 0; l < LANES && j * LANES + l < cols; ++l) b[l] = bias[j * LANES + l];
+      for (int64_t l = 0; l < LANES && j * LANES + l < cols; ++l) lanes[l] = bias[j * LANES + l];
     }
+    const vec b = load(lanes);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r][j] = b;
   }
   for (int64_t k = 0; k < K; ++k) {
     vec w[P];
+#pragma GCC unroll 4
     for (int j = 0; j < P; ++j) w[j] = load(wp + (j * K + k) * LANES);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
+#pragma GCC unroll 4
       for (int j = 0; j < P; ++j) acc[r][j] += xv * w[j];
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
     for (int j = 0; j < P; ++j) {
       const int64_t n = std::min<int64_t>(LANES, cols - j * LANES);
       if (n <= 0) break;
+      const vec out = acc[r][j];
       if (n == LANES) {
-        std::memcpy(y + r * ldy + j * LANES, &acc[r][j], sizeof(vec));  // a fixed size: one vector store
+        *reinterpret_cast<vec*>(y + r * ldy + j * LANES) = out;  // one vector store
       } else {
-        std::memcpy(y + r * ldy + j * LANES, &acc[r][j], n * sizeof(float));
+        std::memcpy(y + r * ldy + j * LANES, &out, n * sizeof(float));
       }
     }
   }
