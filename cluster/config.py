@@ -88,6 +88,7 @@ class BenchConfig:
     serve_arms: list = field(default_factory=lambda: ["nospec", "static-3", "static-5", "static-7", "adaptive-7"])
     serve_vllm_arms: list = field(default_factory=lambda: ["vllm-nospec", "vllm-draft-3"])
     serve_clients: list = field(default_factory=lambda: [1, 16, 64])  # closed-loop points, after the rates
+    serve_client_rounds: int = 3  # interleaved rounds per closed-loop point (medians; ratios round by round)
 
 
 @dataclass
@@ -112,7 +113,8 @@ CHOICES = {
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
             "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes", "serve.max_n",
-            "bench.rounds", "bench.num_prompts", "bench.output_len", "bench.serve_requests", "bench.max_output_len")
+            "bench.rounds", "bench.num_prompts", "bench.output_len", "bench.serve_requests", "bench.max_output_len",
+            "bench.serve_client_rounds")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

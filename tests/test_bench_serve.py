@@ -18,7 +18,7 @@ def test_bench_serve_smoke(ray_session, tmp_path):
     overrides = list(TEST_SIZING) + [
         "parallel.tp_size=1", "speculative.adaptive.profile_on_start=false", f"bench.serve_arms={json.dumps(ARMS)}",
         f"bench.serve_rates={RATES}", f"bench.serve_requests={REQUESTS}", "bench.max_output_len=8",
-        "bench.serve_clients=[2]",
+        "bench.serve_clients=[2]", "bench.serve_client_rounds=2",
         "serve.stream_interval_ms=1"]  # 8 tokens take a few ms here: stream them in several chunks, so ITL exists
     cfg = load_config("yamls/tiny.yaml", overrides)
     result = run_sweep(cfg, "yamls/tiny.yaml", overrides, tmp_path, trace=str(tmp_path / "trace.jsonl"))
@@ -34,7 +34,8 @@ def test_bench_serve_smoke(ray_session, tmp_path):
             assert p[key]["p50"] <= p[key]["p90"] <= p[key]["p99"]
     clients = result["client_points"]  # every arm and the offline engine, two closed-loop clients
     assert sorted(p["arm"] for p in clients) == sorted(ARMS + ["offline-nospec"])
-    assert all(p["clients"] == 2 and p["completed"] == REQUESTS and p["errors"] == 0 for p in clients)
+    assert all(p["clients"] == 2 and p["completed"] == 2 * REQUESTS and p["errors"] == 0 for p in clients)
+    assert all(len(p["rounds"]) == 2 and p["output_tok_per_s"] == round(sum(p["rounds"]) / 2, 3) for p in clients)
     saved = json.loads((tmp_path / "serve.json").read_text())
     assert saved["points"] == result["points"] and "texts" not in saved["points"][0]
     report = (tmp_path / "serve.md").read_text()
@@ -43,6 +44,25 @@ def test_bench_serve_smoke(ray_session, tmp_path):
     static = list(read_trace(tmp_path / "trace.static-3.jsonl"))
     assert static and {line["label"] for line in static} == {"static-3"}
     assert all(line["keep"] == [min(line["draft_steps"], s) for s in line["num_spec"]] for line in static)
+
+
+def test_merge_rounds_takes_medians_and_ratios_round_by_round():
+    from cluster.bench.clients import merge_rounds, round_ratio
+
+    def point(tok, ttft, errors=0):
+        lat = {"p50": ttft, "p90": 2 * ttft, "p99": 3 * ttft}
+        return {"arm": "a", "clients": 1, "output_tok_per_s": tok, "request_per_s": tok / 10, "completed": 4,
+                "errors": errors, "error_examples": ["boom"] if errors else [], "wall_s": 1.0, "ttft_ms": lat,
+                "tpot_ms": lat, "itl_ms": {"p50": None, "p90": None, "p99": None}, "texts": ["x"]}
+
+    merged = merge_rounds([point(100, 10), point(400, 30, errors=1), point(200, 50)])
+    assert merged["output_tok_per_s"] == 200 and merged["rounds"] == [100, 400, 200]  # the median, not the mean
+    assert merged["ttft_ms"] == {"p50": 30, "p90": 60, "p99": 90} and merged["itl_ms"]["p50"] is None
+    assert merged["completed"] == 12 and merged["errors"] == 1 and merged["error_examples"] == ["boom"]
+    assert "texts" not in merged
+    ref = merge_rounds([point(50, 1), point(200, 1), point(400, 1)])
+    # per round 2.0, 2.0, 0.5: the median of the round ratios, not the ratio of the medians (200 / 200)
+    assert round_ratio(merged, ref) == (2.0, 0.5, 2.0)
 
 
 def test_serve_arm_names():

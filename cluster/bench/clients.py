@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
+
 from cluster.bench.load import RequestResult, RequestSpec, run_clients
 
 OFFLINE_ARM = "offline-nospec"
@@ -18,6 +20,32 @@ def measure_clients(target, specs: list[RequestSpec], clients: int) -> dict:
     with running(target):
         results, wall = asyncio.run(run_clients(target.url, target.model, specs, clients))
     return {**point(target.arm, float("inf"), None, results, wall), "rate": None, "clients": clients}
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One closed-loop point from its rounds: the median over rounds of the throughput and
+    of each latency percentile, completions and errors summed, and every round's
+    throughput (`rounds`), so ratios between runners can be taken round by round."""
+    out = {key: value for key, value in rounds[0].items() if key != "texts"}
+    for key in ("output_tok_per_s", "request_per_s"):
+        out[key] = round(float(np.median([p[key] for p in rounds])), 3)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        out[key] = {q: None if any(p[key][q] is None for p in rounds) else
+                    round(float(np.median([p[key][q] for p in rounds])), 3) for q in ("p50", "p90", "p99")}
+    out.update(completed=sum(p["completed"] for p in rounds), errors=sum(p["errors"] for p in rounds),
+               error_examples=sorted({e for p in rounds for e in p["error_examples"]})[:3],
+               wall_s=round(sum(p["wall_s"] for p in rounds), 3), rounds=[p["output_tok_per_s"] for p in rounds])
+    return out
+
+
+def round_ratio(point: dict, ref: dict) -> tuple[float, float, float] | None:
+    """Median, min and max over rounds of point's throughput over ref's in the same round."""
+    pairs = [(a, b) for a, b in zip(point.get("rounds") or [point["output_tok_per_s"]],
+                                    ref.get("rounds") or [ref["output_tok_per_s"]]) if b]
+    if not pairs:
+        return None
+    r = [a / b for a, b in pairs]
+    return float(np.median(r)), min(r), max(r)
 
 
 class OfflineClients:

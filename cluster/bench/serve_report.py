@@ -34,17 +34,24 @@ def markdown(result: dict) -> str:
 
 def clients_table(points: list[dict]) -> list[str]:
     """Closed-loop points: throughput per arm and client count, with its ratio to vLLM's
-    plain server and to the offline engine at the same count."""
+    plain server and to the offline engine at the same count (median over rounds of the
+    per-round ratio, [min, max] where there were several rounds)."""
+    from cluster.bench.clients import round_ratio
+
     if not points:
         return []
     by = {(p["arm"], p["clients"]): p for p in points}
 
     def ratio(p: dict, arm: str) -> str:
         ref = by.get((arm, p["clients"]))
-        return "" if ref is None or ref is p or not ref["output_tok_per_s"] else \
-            f"{p['output_tok_per_s'] / ref['output_tok_per_s']:.2f}"
+        got = None if ref is None or ref is p else round_ratio(p, ref)
+        if got is None:
+            return ""
+        return f"{got[0]:.2f}" + (f" [{got[1]:.2f}, {got[2]:.2f}]" if len(p.get("rounds") or []) > 1 else "")
 
-    lines = ["", "Closed-loop clients (each sends its next request when its last one finished):", "",
+    rounds = max(len(p.get("rounds") or [1]) for p in points)
+    lines = ["", f"Closed-loop clients (each sends its next request when its last one finished; {rounds} "
+             f"interleaved round(s) per point, medians over rounds):", "",
              "| arm | clients | output tok/s | / vllm-nospec | / offline-nospec | TTFT ms p50/p90/p99 | "
              "TPOT ms p50/p90/p99 | errors |", "|" + "---|" * 8]
     for p in sorted(points, key=lambda p: (p["arm"], p["clients"])):

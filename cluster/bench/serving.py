@@ -225,15 +225,15 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
                 time.sleep(t.settle_s)
                 bar.update()
         bar.close()
-        client_points = closed_loop(cfg, config, overrides, targets, specs, ours is not None, rng)
-        identical = compare_texts(saturation, points + client_points)
+        client_points, client_rounds = closed_loop(cfg, config, overrides, targets, specs, ours is not None, rng)
+        identical = compare_texts(saturation, points + client_rounds)
     finally:
         for s in peers:
             s.close()
         if ours is not None:
             ours.close()
     for p in [saturation] + points + client_points:
-        del p["texts"]
+        p.pop("texts", None)
     result = {"config": cfg.to_dict(), "url": url, "arms": [t.arm for t in targets], "requests": len(specs),
               "outputs_identical": all(v["identical"] for a, v in identical.items() if not a.startswith("vllm")),
               "texts_vs_base": identical,
@@ -248,32 +248,37 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
 
 
 def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Target], specs: list[RequestSpec],
-                offline: bool, rng: random.Random) -> list[dict]:
+                offline: bool, rng: random.Random) -> tuple[list[dict], list[dict]]:
     """bench.serve_clients points for every arm, plus (with our servers) the offline engine
-    on the same requests, in an order shuffled per client count."""
-    from cluster.bench.clients import OfflineClients, measure_clients
+    on the same requests: bench.serve_client_rounds rounds per client count, every runner
+    once per round in an order shuffled per round, so a ratio can be taken round by round.
+    Returns the points merged over rounds (clients.merge_rounds) and every round's point."""
+    from cluster.bench.clients import OfflineClients, measure_clients, merge_rounds
     from cluster.config import load_config
 
     if not cfg.bench.serve_clients:
-        return []
+        return [], []
     runners: list = list(targets)
     if offline:
         runners.append(OfflineClients(load_config(config, list(overrides) + arm_overrides("nospec"))))
-    out = []
+    rounds: dict[tuple, list[dict]] = {}
     try:
-        bar = tqdm(total=len(cfg.bench.serve_clients) * len(runners), desc="clients", mininterval=2)
+        bar = tqdm(total=len(cfg.bench.serve_clients) * cfg.bench.serve_client_rounds * len(runners), desc="clients",
+                   mininterval=2)
         for clients in cfg.bench.serve_clients:
-            for r in rng.sample(runners, len(runners)):
-                out.append(r.measure(specs, clients) if isinstance(r, OfflineClients) else
-                           measure_clients(r, specs, clients))
-                time.sleep(r.settle_s)
-                bar.update()
+            for _ in range(cfg.bench.serve_client_rounds):
+                for r in rng.sample(runners, len(runners)):
+                    got = r.measure(specs, clients) if isinstance(r, OfflineClients) else \
+                        measure_clients(r, specs, clients)
+                    rounds.setdefault((r.arm, clients), []).append(got)
+                    time.sleep(r.settle_s)
+                    bar.update()
         bar.close()
     finally:
         for r in runners:
             if isinstance(r, OfflineClients):
                 r.close()
-    return out
+    return [merge_rounds(ps) for ps in rounds.values()], [p for ps in rounds.values() for p in ps]
 
 
 def _machine(cfg) -> str:
