@@ -1,7 +1,8 @@
 """bench-serve's closed-loop points: `bench.serve_clients` clients, each sending its next
 request when its last one finished, against every server arm; and the same requests run
 offline through an in-process Engine with as many in flight (`offline-nospec`), the
-bound a server of this engine could reach, so a served arm's cost shows as a ratio."""
+bound a server of this engine could reach, so a served arm's cost shows as a ratio. Each
+point is measured in bench.serve_client_rounds interleaved rounds (`merge_rounds`)."""
 from __future__ import annotations
 
 import asyncio
