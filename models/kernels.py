@@ -28,6 +28,7 @@ CACHE_ROOT = Path(os.environ.get("ADASPEC_KERNEL_CACHE", "~/.cache/adaspec/kerne
 _lock = threading.Lock()
 _state: dict = {}
 _F32 = torch.float32
+SLOW_VS_TORCH = 3.0  # the packed linear kernel's time over torch's at which loading it warns
 
 
 def _cpu_flags() -> str:
@@ -54,6 +55,8 @@ def cpu_ops():
         if "ops" not in _state:
             ops = _load()
             _apply_threads(ops, _state.get("threads") or torch.get_num_threads())
+            if ops is not None:
+                speed_check(ops)
             _state["ops"] = ops
         return _state["ops"]
 
@@ -103,6 +106,41 @@ def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.
                 packed = owner.__dict__["_packed"] = (weight.data_ptr(), ops.pack_linear_weight(weight.detach()))
             return ops.packed_linear(x.contiguous(), packed[1], weight.shape[0], bias)
     return F.linear(x, weight, bias)
+
+
+def speed_check(ops, rows: int = 64, reps: int = 5) -> float:
+    """The packed linear kernel's time over torch's on one product of the bundled model's
+    shape (rows x 256 @ 256 x 768, one thread each, medians of `reps` alternating runs, a
+    few ms in all),
+    with a warning past SLOW_VS_TORCH: where a compiler's code for the kernels goes wrong,
+    every step slows down several times over with nothing else to show it (GCC 12 once
+    made it 10x slower than torch; DESIGN.md section 8)."""
+    import time
+
+    x, w = torch.randn(rows, 256), torch.randn(768, 256)
+    packed = ops.pack_linear_weight(w)
+    mine, theirs = [], []
+    threads = ops.get_num_threads(), torch.get_num_threads()
+    ops.set_num_threads(1)  # one thread each: the code's speed, not how the threads share the cores
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for _ in range(reps + 1):  # the first round warms up and is dropped
+                t0 = time.perf_counter()
+                ops.packed_linear(x, packed, 768, None)
+                t1 = time.perf_counter()
+                F.linear(x, w)
+                t2 = time.perf_counter()
+                mine.append(t1 - t0)
+                theirs.append(t2 - t1)
+    finally:
+        ops.set_num_threads(threads[0])
+        torch.set_num_threads(threads[1])
+    ratio = sorted(mine[1:])[reps // 2] / max(sorted(theirs[1:])[reps // 2], 1e-9)
+    if ratio > SLOW_VS_TORCH:
+        log.warning("the packed linear kernel (models/csrc/gemm.cpp) ran %.1fx slower than torch's linear here; the "
+                    "compiler's code for it may have gone wrong (DESIGN.md section 8 says what to check)", ratio)
+    return ratio
 
 
 def _load():

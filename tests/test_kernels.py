@@ -270,3 +270,35 @@ def test_attention_batch_from_python_equals_the_numpy_build():
         assert (got.starts, got.lens, got.short) == (want.starts, want.lens, want.short)
         checked += 1
     assert checked > 200
+
+
+def test_speed_check_warns_when_the_packed_kernel_is_slow(caplog):
+    """Loading the kernels times the packed linear against torch's and warns where it is
+    several times slower (a compiler once made it 10x slower with nothing else to show it)."""
+    import time
+
+    class Ops:
+        def __init__(self, delay_s):
+            self.delay_s = delay_s
+
+        def pack_linear_weight(self, w):
+            return w
+
+        def get_num_threads(self):
+            return 2
+
+        def set_num_threads(self, n):
+            self.threads = n
+
+        def packed_linear(self, x, packed, n, bias):
+            time.sleep(self.delay_s)
+            return torch.zeros(x.shape[0], n)
+
+    before = torch.get_num_threads()
+    with caplog.at_level("WARNING", logger="adaspec.kernels"):
+        fast = Ops(0.0)
+        assert kernels.speed_check(fast) < kernels.SLOW_VS_TORCH
+    assert not caplog.records and fast.threads == 2 and torch.get_num_threads() == before  # both put back
+    with caplog.at_level("WARNING", logger="adaspec.kernels"):
+        assert kernels.speed_check(Ops(0.05)) > kernels.SLOW_VS_TORCH
+    assert "slower than torch" in caplog.text
