@@ -4,7 +4,8 @@ torch.utils.cpp_extension and cached per CPU and torch version under
 
 Where they cannot be built (no compiler) or are turned off (ADASPEC_KERNELS=0), `cpu_ops()`
 returns None; where they do not apply (another device or dtype, autograd), `ops_for()`
-does. Every caller then computes the same thing with torch ops.
+does. Every caller then computes the same thing with torch ops. Loading them times the
+packed linear against torch's once and warns where it is several times slower (`speed_check`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -111,12 +113,9 @@ def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 def speed_check(ops, rows: int = 64, reps: int = 5) -> float:
     """The packed linear kernel's time over torch's on one product of the bundled model's
     shape (rows x 256 @ 256 x 768, one thread each, medians of `reps` alternating runs, a
-    few ms in all),
-    with a warning past SLOW_VS_TORCH: where a compiler's code for the kernels goes wrong,
-    every step slows down several times over with nothing else to show it (GCC 12 once
-    made it 10x slower than torch; DESIGN.md section 8)."""
-    import time
-
+    few ms in all), with a warning past SLOW_VS_TORCH: where a compiler's code for the
+    kernels goes wrong, every step slows down several times over with nothing else to show
+    it (GCC 12 once made it 10x slower than torch; DESIGN.md section 8)."""
     x, w = torch.randn(rows, 256), torch.randn(768, 256)
     packed = ops.pack_linear_weight(w)
     mine, theirs = [], []
