@@ -129,10 +129,12 @@ class LogisticCalibrator:
 
     def estimate_one(self, p: float, m: float, j: int) -> float:
         """Position j's estimate for one draft (plain Python)."""
-        w0, w1, w2, w3 = self._w[j]
-        p, m = min(max(p, EPS), 1 - EPS), min(max(m, EPS), 1.0)
-        z = min(max(w0 + w1 * math.log(p) + w2 * math.log1p(-p) + w3 * math.log(m), -60.0), 60.0)
-        return 1.0 / (1.0 + math.exp(-z))
+        return logistic_estimate(self._w[j], p, m)
+
+    @property
+    def weights(self) -> list[list[float]]:
+        """(w0, w1, w2, w3) per position, as Python floats."""
+        return self._w
 
     def update(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
                steps: int = 1, weights: np.ndarray | None = None) -> None:
@@ -161,3 +163,12 @@ class LogisticCalibrator:
         self.h[:k] = FORGET ** steps * self.h[:k] + curvature
         self.w[:k] += np.linalg.solve(self.h[:k], grad[..., None])[..., 0]
         self._w = self.w.tolist()
+
+
+def logistic_estimate(w: list[float], p: float, m: float) -> float:
+    """The logistic estimate of one draft from its top probability p and margin m; w: its
+    position's (w0, w1, w2, w3). (models/csrc/one_row.cpp computes the same, bit for bit.)"""
+    w0, w1, w2, w3 = w
+    p, m = min(max(p, EPS), 1 - EPS), min(max(m, EPS), 1.0)
+    z = min(max(w0 + w1 * math.log(p) + w2 * math.log1p(-p) + w3 * math.log(m), -60.0), 60.0)
+    return 1.0 / (1.0 + math.exp(-z))

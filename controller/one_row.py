@@ -9,18 +9,41 @@ held. The arithmetic is `best_one`'s, term for term (the same integers, the same
 divisions in the same order), so the answers are equal (tests/test_decision.py checks it);
 this only stops redoing it. At batch 1 the controller's Python was most of the gap to
 static-3 (0.16-0.18 ms on a 2.9 ms step, about a third of it the early stop's two passes).
+
+The engine runs the compiled twin of this class (models/csrc/one_row.cpp, `new_one_row`):
+between forward passes, which stream the weights through the caches, this Python finds its
+code and objects in memory rather than cache, and an early-stop question that takes 10 us
+warm took 100-130 us. Both give the same answers, bit for bit (tests/test_one_row.py); this
+one is the reference, and the fallback where the kernels do not load.
 """
 from __future__ import annotations
 
 from controller.decision import CONF_BITS, CONF_ONE, StepCosts
+from controller.estimators import logistic_estimate
+
+
+def new_one_row(costs: StepCosts, min_gain: float, cap: int, weights: list | None = None, compiled=None):
+    """A OneRow for one step: the compiled one when `compiled` (the kernels' module, and
+    `weights` as its LogisticWeights) is given, else this module's."""
+    if compiled is None:
+        return OneRow(costs, min_gain, cap, weights)
+    return compiled.OneRow(costs.f_list, costs.per_token, costs.ctx_list[0], costs.fixed + costs.ctx_sum, min_gain,
+                           cap, weights)
 
 
 class OneRow:
-    def __init__(self, costs: StepCosts, min_gain: float, cap: int):
-        self.f, self.o, self.ctx, self.cap = costs.f_list, costs.per_token, costs.ctx_list[0], cap
+    def __init__(self, costs: StepCosts, min_gain: float, cap: int, weights: list | None = None):
+        """weights: the logistic model's (w0, w1, w2, w3) per position, for add_logistic."""
+        self.f, self.o, self.weights = costs.f_list, costs.per_token, weights
         self.min_gain, self.scale = min_gain, 1.0 + min_gain
+        self.restart(costs.ctx_list[0], costs.fixed + costs.ctx_sum, cap)
+
+    def restart(self, ctx: int, fixed: int, cap: int) -> None:
+        """A new step of the same time model and weights: ctx, the sequence's context cost per
+        validated token; fixed, the step's fixed time terms with its one certain token's context."""
+        self.ctx, self.cap = ctx, cap
         self.e = [CONF_ONE]  # expected tokens of prefix m (fixed point), m = 0, 1, ..
-        self.t = [costs.fixed + costs.ctx_sum]  # its time terms but the draft time and f
+        self.t = [fixed]  # its time terms but the draft time and f
         self.div = [1.0]  # (1 + min_gain)^m, as best_one multiplies it up
         self.acc = CONF_ONE  # path probability of the longest prefix
         self.drafts = 0  # estimates added
@@ -40,6 +63,27 @@ class OneRow:
         self.e.append(self.e[-1] + acc)
         self.t.append(self.t[-1] + self.ctx)
         self.div.append(self.div[-1] * self.scale)
+
+    def add_logistic(self, p: float, m: float) -> None:
+        """The next draft's logistic estimate, from its top probability p and margin m."""
+        self.add(logistic_estimate(self.weights[self.drafts], p, m))
+
+    def set_terms(self, draft_units: list[int], rates: list[float]) -> None:
+        """The draft times (units, by number of draft steps) and each position's rate for a draft
+        not yet made, which next and keep read."""
+        self.draft_units, self.rates = draft_units, rates
+
+    def next(self, j: int, p: float, m: float) -> bool:
+        """Draft j (the step's j-th) arrived, with top probability p and margin m: its logistic
+        estimate added, is draft j + 1 worth drafting?"""
+        if self.drafts != j - 1:
+            raise ValueError("OneRow.next: drafts must arrive in order")
+        self.add_logistic(p, m)
+        return self.worth_drafting(self.draft_units[j], self.draft_units[j + 1], self.rates[j])
+
+    def keep(self, m: int) -> int:
+        """Drafts to verify of the m drafted."""
+        return self.best(self.draft_units[m], m)[0]
 
     def _theta(self, m: int, d: int) -> float:
         e = self.e[m]

@@ -18,8 +18,9 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, f_table
+from controller.decision import SMALL, context_units, draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
+from controller.one_row import new_one_row
 from controller.step import EXPLORE_EVERY, SpecStep
 from controller.time_model import TimeModel
 from controller.yields import DraftYields, prior_rates
@@ -33,8 +34,12 @@ OBSERVE_MAX = 256  # ... but never more steps than this
 
 
 class SpecPolicy:
-    def __init__(self, cfg: SpeculativeConfig):
+    def __init__(self, cfg: SpeculativeConfig, compiled=None):
+        """compiled: the CPU kernels' module (models/kernels.py), whose compiled OneRow batch 1
+        decides with (the same answers as controller/one_row.py's); None: the Python one."""
         self.cfg = cfg
+        self.compiled = compiled if compiled is not None and hasattr(compiled, "OneRow") else None
+        self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow, fixed units)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
@@ -114,6 +119,24 @@ class SpecPolicy:
             rule = np.asarray(step.rule_keep, dtype=np.int64)
             counted = (rule, np.minimum(accepted, rule))
         self.observe(top_prob, margin, verified, accepted, step.rule_keep, counted)
+
+    def one_row(self, tm: TimeModel, kv: int, cap: int, extra: int):
+        """Batch 1's OneRow for a step (controller/one_row.py), deciding on the logistic estimate;
+        kv: the sequence's context length; extra: the drafts it may decide on. It is kept and
+        restarted each step, and rebuilt only when the time model, `extra`, the logistic weights
+        or the rates change (a calibration batch): the compiled one's per-step cost is a call."""
+        weights, rates = self.logistic.weights, self.next_rates
+        held = self._one_row
+        if held is None or held[0] is not tm or held[1] != extra or held[2] is not weights or held[3] is not rates:
+            costs = step_costs(tm, [0], extra, self.f_values(tm, "decide", 1, extra))
+            compiled = self.compiled
+            one = new_one_row(costs, self.cfg.adaptive.min_gain, cap,
+                              weights if compiled is None else compiled.LogisticWeights(weights), compiled)
+            one.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(extra + 2)], rates)
+            held = self._one_row = (tm, extra, weights, rates, one, costs.fixed)
+        ctx = context_units(tm, (kv,))[0]
+        held[4].restart(ctx, held[5] + ctx, cap)
+        return held[4]
 
     # ------------------------------------------------------------------ time-model values
     def f_values(self, tm: TimeModel, use: str, n: int, extra: int):

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import (CONF_BITS, SMALL, StepCosts, capped, decide_paths, decide_small, decide_with, draft_units,
+from controller.decision import (CONF_BITS, SMALL, StepCosts, capped, decide_paths, decide_small, decide_with,
                                  quantize, step_costs)
 from controller.early_stop import worth_drafting, worth_drafting_paths
-from controller.one_row import OneRow
 from controller.time_model import TimeModel
 
 EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verifies everything drafted
@@ -41,7 +40,7 @@ class SpecStep:
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
         self._g: float | None = None  # the time model's g(n), asked once per step
-        self._one: OneRow | None = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time
+        self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
@@ -96,8 +95,7 @@ class SpecStep:
             return True
         # draft times are predicted, never measured: the same on every rank
         if self._one_row_ok():
-            return self._one_row(top_prob, margin, j).worth_drafting(
-                draft_units(self._draft_ms(j)), draft_units(self._draft_ms(j + 1)), self.policy.next_rates[j])
+            return self._one_row().next(j, float(top_prob[j - 1][0]), float(margin[j - 1][0]))
         cols = self._estimates(top_prob, margin, j)
         if not isinstance(cols[0], list):  # large batch: each position's path probabilities quantised once
             return worth_drafting_paths(self._path_cols(j), self._costs(), self.policy.cfg.adaptive.min_gain,
@@ -117,7 +115,10 @@ class SpecStep:
             return np.minimum(self.max_keep, m)
         policy = self.policy
         if self._one_row_ok():
-            count = self._one_row(top_prob, margin, m).best(draft_units(self._draft_ms(m)), m)[0]
+            one = self._one_row()
+            for j in range(one.drafts, m):  # the last draft (and all of them after a probe's drafting)
+                one.add_logistic(float(top_prob[0, j]), float(margin[0, j]))
+            count = one.keep(m)
             self.rule_keep = [count]
             policy.yields.count_drafts(self.max_keep_list, m)
             return np.array([min(self.max_keep_list[0], m) if self.explore else count])
@@ -154,16 +155,11 @@ class SpecStep:
     def _one_row_ok(self) -> bool:
         return len(self.kv) == 1 and self.policy.cfg.adaptive.estimator == "top_prob_logistic"
 
-    def _one_row(self, top_prob, margin, count: int) -> OneRow:
-        """Batch 1's prefixes with the estimates of the first `count` drafts added (top_prob,
-        margin: lists of (1,) columns or (1, m) arrays)."""
-        one = self._one
-        if one is None:
-            one = self._one = OneRow(self._costs(), self.policy.cfg.adaptive.min_gain, self.max_keep_list[0])
-        for j in range(one.drafts, count):
-            p, m = (top_prob[j][0], margin[j][0]) if isinstance(top_prob, list) else (top_prob[0, j], margin[0, j])
-            one.add(self.policy.logistic.estimate_one(float(p), float(m), j))
-        return one
+    def _one_row(self):
+        """Batch 1's OneRow for this step (SpecPolicy.one_row), made on first use."""
+        if self._one is None:
+            self._one = self.policy.one_row(self.model, int(self.kv[0]), self.max_keep_list[0], self.kmax)
+        return self._one
 
     def _costs(self) -> StepCosts:
         """The step's decision costs, computed on first use (a step that drafts nothing never needs them)."""

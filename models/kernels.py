@@ -1,4 +1,5 @@
-"""CPU kernels (models/csrc/: attention over the paged KV cache, small-batch linear layers), compiled on first use with
+"""CPU kernels (models/csrc/: attention over the paged KV cache, small-batch linear layers, and batch 1's
+speculation decisions, one_row.cpp, which the worker hands to the controller), compiled on first use with
 torch.utils.cpp_extension and cached per CPU and torch version under
 ~/.cache/adaspec/kernels (about 30 s once; later processes load the cached build).
 
@@ -24,7 +25,7 @@ from torch import nn
 log = logging.getLogger("adaspec.kernels")
 NAME = "adaspec_cpu_ops"
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "gemm.cpp", "elementwise.cpp",
-                                                                     "thread_pool.cpp")]
+                                                                     "thread_pool.cpp", "one_row.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "thread_pool.h")]
 CACHE_ROOT = Path(os.environ.get("ADASPEC_KERNEL_CACHE", "~/.cache/adaspec/kernels")).expanduser()
 _lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""Shared fixtures: one embedded Ray for the whole session, the bundled tiny pair, and
+"""Shared fixtures: one embedded Ray for the whole session, the bundled tiny pair, the CPU kernels and
 held-out ShareGPT prompts."""
 from __future__ import annotations
 
@@ -55,6 +55,17 @@ def greedy(max_tokens: int) -> RequestParams:
 
 def token_ids(results) -> list[list[int]]:
     return [samples[0].token_ids for samples in results]
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """The CPU kernels' module (models/kernels.py), or a skip where they cannot be built."""
+    from models import kernels
+
+    ops = kernels.cpu_ops()
+    if ops is None:
+        pytest.skip("the CPU kernels could not be built here")
+    return ops
 
 
 @pytest.fixture(scope="session")

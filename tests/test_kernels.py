@@ -10,14 +10,6 @@ from models import kernels
 from models.layers import RotaryEmbedding
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = kernels.cpu_ops()
-    if ops is None:
-        pytest.skip("the CPU kernels could not be built here")
-    return ops
-
-
 @pytest.mark.parametrize("n,k", [(768, 256), (100, 70), (17, 5), (4096, 32)])
 def test_packed_linear_equals_torch(ops, n, k):
     g = torch.Generator().manual_seed(n)

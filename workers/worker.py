@@ -117,7 +117,9 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
             raise ValueError(f"model.draft vocab_size={draft.arch.vocab_size} differs from the target's "
                              f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
         proposer = DraftModelProposer(draft, cache.num_blocks, cache.block_size)
-    return ModelRunner(rank, target, proposer, SpecPolicy(spec), cache.num_blocks, cache.block_size, device)
+    # the controller's compiled batch-1 path comes with the CPU kernels (models/csrc/one_row.cpp)
+    policy = SpecPolicy(spec, compiled=kernels.cpu_ops() if proposer is not None else None)
+    return ModelRunner(rank, target, proposer, policy, cache.num_blocks, cache.block_size, device)
 
 
 def check_model_dirs(model: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> ModelArch:

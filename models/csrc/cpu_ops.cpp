@@ -230,6 +230,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
+// one_row.cpp: batch 1's speculation decisions
+void bind_one_row(py::module& m);
+
 // The kernels touch no Python object: they run without the interpreter lock, so other
 // threads of the process (a server's request handling) go on meanwhile.
 using nogil = py::call_guard<py::gil_scoped_release>;
@@ -245,4 +248,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of ragged queries over the paged cache", nogil());
   m.def("set_num_threads", &adaspec::set_num_threads, "threads of the kernels' pool, the caller's included", nogil());
   m.def("get_num_threads", &adaspec::get_num_threads, "threads of the kernels' pool");
+  bind_one_row(m);
 }

@@ -1,0 +1,193 @@
+// Batch 1's speculation decisions compiled: controller/one_row.py's OneRow (the early stop
+// and the keep set, prefixes built up a draft at a time) and the logistic acceptance
+// estimate (controller/estimators.py, LogisticCalibrator.estimate_one), term for term.
+//
+// Why compiled: between two forward passes, which stream the weights through the caches,
+// the controller's Python finds its code and objects in memory, not cache; a decision that
+// takes 10 us warm took 100-130 us there (batch 1, once or twice per step).
+//
+// Same answers as the Python, bit for bit, so ranks agree whichever they run: integers
+// where the Python has ints, IEEE double division of integers below 2^53 (correctly
+// rounded, as Python's int / int), the same libm log, log1p and exp, the same order of
+// operations, and no fused multiply-adds (tests/test_one_row.py compares both).
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int CONF_BITS = 12;  // controller/decision.py
+constexpr int64_t CONF_ONE = int64_t(1) << CONF_BITS;
+constexpr double EPS = 1e-4;  // controller/estimators.py
+
+// min(max(int(round(c * CONF_ONE)), 0), CONF_ONE): round half to even, as Python's round.
+int64_t quantize(double c) {
+  const double r = std::nearbyint(c * double(CONF_ONE));
+  if (!std::isfinite(r)) throw py::value_error("an acceptance estimate is not a finite number");
+  return r < 0 ? 0 : (r > double(CONF_ONE) ? CONF_ONE : int64_t(r));
+}
+
+// Python's min and max on floats (NaN handling included): max(a, b) is b only if b > a.
+double py_max(double a, double b) { return b > a ? b : a; }
+double py_min(double a, double b) { return b < a ? b : a; }
+
+// The logistic estimate for one draft; w: (w0, w1, w2, w3) of its position.
+#if defined(__clang__)
+double logistic(const std::vector<double>& w, double p, double m) {
+#pragma clang fp contract(off)
+#else
+__attribute__((optimize("fp-contract=off"))) double logistic(const std::vector<double>& w, double p, double m) {
+#endif
+  if (w.size() != 4) throw py::value_error("logistic weights come in fours (w0, w1, w2, w3)");
+  p = py_min(py_max(p, EPS), 1 - EPS);
+  m = py_min(py_max(m, EPS), 1.0);
+  const double z = py_min(py_max(w[0] + w[1] * std::log(p) + w[2] * std::log1p(-p) + w[3] * std::log(m), -60.0), 60.0);
+  return 1.0 / (1.0 + std::exp(-z));
+}
+
+// The logistic model's weights, one (w0, w1, w2, w3) per draft position: converted once per
+// calibration batch, not once per step.
+struct LogisticWeights {
+  explicit LogisticWeights(std::vector<std::vector<double>> w) : w(std::move(w)) {}
+  std::vector<std::vector<double>> w;
+};
+
+class OneRow {
+ public:
+  // f: f(1 + m) in time units for m = 0, 1, ..; per_token: o1; ctx: the sequence's context
+  // cost per validated token; fixed: o0 plus the context cost of its one certain token;
+  // weights: the logistic model (add_logistic), or None.
+  OneRow(std::vector<int64_t> f, int64_t per_token, int64_t ctx, int64_t fixed, double min_gain, int64_t cap,
+         std::shared_ptr<LogisticWeights> weights)
+      : f_(std::move(f)), o_(per_token), ctx_(ctx), cap_(cap), min_gain_(min_gain), scale_(1.0 + min_gain),
+        weights_(std::move(weights)) {
+    e_.push_back(CONF_ONE);
+    t_.push_back(fixed);
+    div_.push_back(1.0);
+  }
+
+  // A new step of the same time model and logistic weights: no prefix but the empty one.
+  void restart(int64_t ctx, int64_t fixed, int64_t cap) {
+    ctx_ = ctx, cap_ = cap;
+    e_.assign(1, CONF_ONE);
+    t_.assign(1, fixed);
+    div_.assign(1, 1.0);
+    acc_ = CONF_ONE, drafts_ = 0, closed_ = false;
+  }
+
+  void add(double c) {
+    ++drafts_;
+    if (closed_ || drafts_ > cap_) {
+      closed_ = true;
+      return;
+    }
+    const int64_t acc = (acc_ * quantize(c)) >> CONF_BITS;
+    if (acc <= 0) {
+      closed_ = true;
+      return;
+    }
+    acc_ = acc;
+    e_.push_back(e_.back() + acc);
+    t_.push_back(t_.back() + ctx_);
+    div_.push_back(div_.back() * scale_);
+  }
+
+  // The next draft's logistic estimate, from its top probability p and margin m, added.
+  void add_logistic(double p, double m) {
+    if (!weights_) throw py::value_error("this OneRow was made without logistic weights");
+    add(logistic(weights_->w.at(size_t(drafts_)), p, m));
+  }
+
+  std::pair<int64_t, double> best(int64_t d, int64_t upto) const {
+    double best = theta(0, d);
+    int64_t count = 0;
+    const int64_t last = std::min<int64_t>(upto, int64_t(e_.size()) - 1);
+    for (int64_t m = 1; m <= last; ++m) {
+      const double th = theta(m, d);
+      if (th > best) best = th, count = m;
+    }
+    return {count, best};
+  }
+
+  bool worth_drafting(int64_t d_stop, int64_t d_go, double rate) const {
+    const int64_t j = drafts_;
+    if (closed_ || j + 1 > cap_) return false;
+    const int64_t acc = (acc_ * quantize(rate)) >> CONF_BITS;
+    if (acc <= 0) return false;
+    const int64_t e = e_.at(size_t(j)) + acc;
+    double go = double(e) / double(std::max<int64_t>(t_[j] + ctx_ + d_go + f_.at(size_t(j + 1)) + ((o_ * e) >> CONF_BITS), 1));
+    if (min_gain_ != 0.0) go /= div_[j] * scale_;
+    for (int64_t m = 0; m <= j; ++m) {
+      if (go <= theta(m, d_stop) || (d_go < d_stop && go <= theta(m, d_go))) return false;
+    }
+    return true;
+  }
+
+  // The step's draft times (units, by number of draft steps) and each position's rate for a
+  // draft not yet made: what next and keep read (they change with the time model and calibration).
+  void set_terms(std::vector<int64_t> draft_units, std::vector<double> rates) {
+    draft_units_ = std::move(draft_units);
+    rates_ = std::move(rates);
+  }
+
+  // Draft j (1-based: the step's j-th) arrived: add its logistic estimate and answer the early
+  // stop: worth_drafting(draft time of j, of j + 1, the rate of position j).
+  bool next(int64_t j, double p, double m) {
+    if (drafts_ != j - 1) throw py::value_error("OneRow.next: drafts must arrive in order");
+    add_logistic(p, m);
+    return worth_drafting(draft_units_.at(size_t(j)), draft_units_.at(size_t(j + 1)), rates_.at(size_t(j)));
+  }
+
+  // The keep count after m drafts: best(draft time of m, m).
+  int64_t keep(int64_t m) const { return best(draft_units_.at(size_t(m)), m).first; }
+
+  int64_t drafts() const { return drafts_; }
+
+ private:
+  double theta(int64_t m, int64_t d) const {
+    const int64_t e = e_[m];
+    const double th = double(e) / double(std::max<int64_t>(t_[m] + d + f_.at(size_t(m)) + ((o_ * e) >> CONF_BITS), 1));
+    return min_gain_ != 0.0 ? th / div_[m] : th;
+  }
+
+  std::vector<int64_t> f_;
+  int64_t o_, ctx_, cap_;
+  double min_gain_, scale_;
+  std::shared_ptr<LogisticWeights> weights_;
+  std::vector<int64_t> draft_units_;
+  std::vector<double> rates_;
+  std::vector<int64_t> e_, t_;  // expected tokens (fixed point) and time terms of prefix m
+  std::vector<double> div_;     // (1 + min_gain)^m
+  int64_t acc_ = CONF_ONE, drafts_ = 0;
+  bool closed_ = false;
+};
+
+}  // namespace
+
+void bind_one_row(py::module& m) {
+  py::class_<LogisticWeights, std::shared_ptr<LogisticWeights>>(m, "LogisticWeights")
+      .def(py::init<std::vector<std::vector<double>>>());
+  py::class_<OneRow>(m, "OneRow", "batch 1's early stop and keep set (controller/one_row.py)")
+      .def(py::init<std::vector<int64_t>, int64_t, int64_t, int64_t, double, int64_t,
+                    std::shared_ptr<LogisticWeights>>(),
+           py::arg("f"), py::arg("per_token"), py::arg("ctx"), py::arg("fixed"), py::arg("min_gain"), py::arg("cap"),
+           py::arg("weights") = nullptr)
+      .def("restart", &OneRow::restart, py::arg("ctx"), py::arg("fixed"), py::arg("cap"))
+      .def("add", &OneRow::add)
+      .def("add_logistic", &OneRow::add_logistic)
+      .def("best", &OneRow::best)
+      .def("worth_drafting", &OneRow::worth_drafting)
+      .def("set_terms", &OneRow::set_terms, py::arg("draft_units"), py::arg("rates"))
+      .def("next", &OneRow::next, py::arg("j"), py::arg("p"), py::arg("m"))
+      .def("keep", &OneRow::keep, py::arg("m"))
+      .def_property_readonly("drafts", &OneRow::drafts);
+  m.def("logistic_estimate", &logistic, "the logistic acceptance estimate of one draft");
+}

@@ -1,0 +1,126 @@
+"""Batch 1's compiled decisions (models/csrc/one_row.cpp) against their Python reference
+(controller/one_row.py, controller/estimators.py): the same answers, bit for bit, so ranks
+agree whichever of the two they run."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from controller.config import AdaptiveConfig, SpeculativeConfig
+from controller.decision import draft_units, step_costs
+from controller.estimators import logistic_estimate
+from controller.one_row import OneRow, new_one_row
+from controller.policy import SpecPolicy
+from controller.time_model import TimeModel
+
+
+def test_logistic_estimate_is_the_same_double(ops):
+    """Random weights and inputs, edges included (p at and past 0 and 1, tiny margins, z
+    past +-60): equal doubles; a fused multiply-add or another order would differ in the last
+    bit on some of these."""
+    rng = np.random.default_rng(0)
+    edges = [0.0, 1e-300, 1e-4, 0.5, 1 - 1e-4, 1.0, 1.5, -0.2]
+    cases = [(p, m) for p in edges for m in edges] + list(zip(rng.uniform(0, 1, 5000), rng.uniform(0, 1, 5000)))
+    mismatched = 0
+    for i, (p, m) in enumerate(cases):
+        w = (rng.normal(0, 3, 4) * (50 if i % 97 == 0 else 1)).tolist()
+        mismatched += ops.logistic_estimate(w, float(p), float(m)) != logistic_estimate(w, float(p), float(m))
+    assert mismatched == 0
+
+
+def _random_costs(rng, k: int):
+    tm = TimeModel(b0=float(rng.uniform(0.1, 20)), b1=float(rng.uniform(0.001, 5)), b2=float(rng.uniform(0, 0.01)),
+                   o1=float(rng.uniform(0, 1)))
+    if rng.random() < 0.5:  # a table model
+        knots = (1.0, 2.0, 4.0, 8.0)
+        tm = TimeModel(**{**tm.__dict__, "q_knots": knots,
+                          "q_ms": tuple(float(v) for v in np.cumsum(rng.uniform(0, 3, len(knots))))})
+    return step_costs(tm, [int(rng.integers(1, 500))], k + 1)
+
+
+def test_compiled_one_row_decides_as_the_python_one(ops):
+    """Built up a draft at a time on random steps (costs, min_gain, caps, draft times, logistic
+    weights, rates), through add, add_logistic or next: after every draft the early stop's
+    answer and the keep set with its score are equal."""
+    rng = np.random.default_rng(1)
+    answers = []
+    for _ in range(600):
+        k = int(rng.integers(1, 8))
+        costs, cap = _random_costs(rng, k), int(rng.integers(0, 8))
+        min_gain = float(rng.choice([0.0, 0.01, 0.1]))
+        weights = rng.normal(0, 2, (k, 4)).tolist()
+        d_first, g = float(rng.uniform(0, 3)), float(rng.uniform(0, 3))
+        draft = [draft_units(d_first + j * g) if j else 0 for j in range(k + 2)]
+        rates = rng.uniform(0, 1, k + 1).tolist()
+        how = rng.choice(["add", "add_logistic", "next"])
+        mine = new_one_row(costs, min_gain, cap, ops.LogisticWeights(weights), ops)
+        ref = OneRow(costs, min_gain, cap, weights)
+        if rng.random() < 0.5:  # a later step of the same time model: both restarted
+            mine.add(0.5)
+            ref.add(0.5)
+            ctx, cap = int(rng.integers(0, 300)), int(rng.integers(0, 8))
+            mine.restart(ctx, costs.fixed + ctx, cap)
+            ref.restart(ctx, costs.fixed + ctx, cap)
+        mine.set_terms(draft, rates)
+        ref.set_terms(draft, rates)
+        for j in range(1, k + 1):
+            p, m = float(rng.uniform(0, 1)), float(rng.uniform(0, 1))
+            if how == "next":
+                answers.append(ref.next(j, p, m))
+                assert mine.next(j, p, m) == answers[-1]
+            else:
+                getattr(mine, how)(*((p, m) if how == "add_logistic" else (p,)))
+                getattr(ref, how)(*((p, m) if how == "add_logistic" else (p,)))
+                answers.append(ref.worth_drafting(draft[j], draft[j + 1], rates[j]))
+                assert mine.worth_drafting(draft[j], draft[j + 1], rates[j]) == answers[-1]
+            assert mine.drafts == ref.drafts == j
+            assert mine.best(draft[j], j) == ref.best(draft[j], j)
+            assert mine.keep(j) == ref.keep(j) == ref.best(draft[j], j)[0]
+    assert 50 < sum(answers) < len(answers) - 50  # both answers were reached
+
+
+def test_a_restarted_one_row_is_a_new_one():
+    """restart (a later step of the same time model) leaves what a new OneRow for that step has."""
+    a = step_costs(TimeModel(b2=0.001, o0=0.2, o1=0.1), [300], 6)
+    b = step_costs(TimeModel(b2=0.001, o0=0.2, o1=0.1), [40], 6)
+    one = OneRow(a, 0.01, 5, [[0.0, 1.0, 0.0, 0.0]] * 6)
+    for p in (0.9, 0.8, 0.1):
+        one.add_logistic(p, p / 2)
+    one.restart(b.ctx_list[0], b.fixed + b.ctx_sum, 3)
+    assert vars(one) == vars(OneRow(b, 0.01, 3, [[0.0, 1.0, 0.0, 0.0]] * 6))
+
+
+def test_compiled_one_row_refuses_what_python_refuses(ops):
+    costs = step_costs(TimeModel(), [10], 4)
+    one = new_one_row(costs, 0.0, 3, None, ops)
+    with pytest.raises(ValueError, match="logistic weights"):
+        one.add_logistic(0.5, 0.1)
+    with pytest.raises(ValueError, match="finite"):
+        one.add(math.nan)
+    for made in (new_one_row(costs, 0.0, 3, ops.LogisticWeights([[0.0] * 4] * 3), ops),
+                 OneRow(costs, 0.0, 3, [[0.0] * 4] * 3)):
+        made.set_terms([0, 10, 20, 30, 40], [0.5] * 4)
+        with pytest.raises(ValueError, match="in order"):
+            made.next(2, 0.5, 0.1)  # draft 1 never arrived
+    with pytest.raises(ValueError, match="in fours"):
+        ops.logistic_estimate([1.0, 2.0], 0.5, 0.1)
+
+
+def test_the_policy_decides_batch_1_with_the_compiled_one_row(ops):
+    """An adaptive batch-1 step of a policy given the kernels uses the compiled OneRow, and one
+    without them the Python one; the two steps answer alike."""
+    cfg = SpeculativeConfig(num_speculative_tokens=3, adaptive=AdaptiveConfig(enabled=True))
+    kinds, answers = [], []
+    for compiled in (ops, None):
+        policy = SpecPolicy(cfg, compiled=compiled)
+        policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))  # drafting pays
+        policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)  # the first step probes: not this one
+        step = policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)
+        assert step.budget > 0 and not step.probe
+        top, margin = [np.array([0.9])], [np.array([0.85])]
+        answers.append(step.keep_drafting(top, margin, [np.array([7])]))
+        kinds.append(type(step._one).__module__)
+    assert kinds == ["adaspec_cpu_ops", "controller.one_row"]
+    assert answers[0] == answers[1]
