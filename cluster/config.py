@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from controller.config import ESTIMATORS, METHODS, TIME_MODELS, SpeculativeConfig
+from controller.config import DRAFT_WEIGHTS, ESTIMATORS, METHODS, TIME_MODELS, SpeculativeConfig
 from models.attention import SHORT_QUERY
 from models.config import ModelConfig
 from workers.config import DEVICES, EXECUTORS, PLACEMENTS, CacheConfig, ParallelConfig
@@ -108,7 +108,7 @@ class Config:
 
 CHOICES = {
     "speculative.method": METHODS, "speculative.adaptive.estimator": ESTIMATORS, "parallel.device": DEVICES,
-    "speculative.adaptive.time_model": TIME_MODELS,
+    "speculative.adaptive.time_model": TIME_MODELS, "speculative.draft_weights": DRAFT_WEIGHTS,
     "parallel.placement_strategy": PLACEMENTS, "parallel.executor": EXECUTORS, "model.dtype": DTYPE_NAMES,
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",

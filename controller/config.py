@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 METHODS = ("mtp", "draft_model")
 ESTIMATORS = ("top_prob_logistic", "top_prob_calibrated", "top_prob", "token_prob")
 TIME_MODELS = ("table", "linear")  # controller/time_model.py
+DRAFT_WEIGHTS = ("bfloat16", "float32")  # models/kernels.py, pack_weights_as
 
 
 @dataclass
@@ -27,6 +28,9 @@ class SpeculativeConfig:
     enabled: bool = True
     method: str = "mtp"  # one of METHODS
     num_speculative_tokens: int = 5  # k: draft tokens per sequence per step
+    # the draft's linear weights as the CPU kernels stream them (one of DRAFT_WEIGHTS; float32 models only):
+    # bfloat16 reads half the bytes a draft step, and changes which tokens are proposed, never what is emitted
+    draft_weights: str = "bfloat16"
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     @property

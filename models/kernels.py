@@ -106,9 +106,25 @@ def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         if ops is not None:
             packed = owner.__dict__.get("_packed")
             if packed is None or packed[0] != weight.data_ptr():
-                packed = owner.__dict__["_packed"] = (weight.data_ptr(), ops.pack_linear_weight(weight.detach()))
+                w = weight.detach().to(owner.__dict__.get(PACK_DTYPE, _F32))
+                packed = owner.__dict__["_packed"] = (weight.data_ptr(), ops.pack_linear_weight(w))
             return ops.packed_linear(x.contiguous(), packed[1], weight.shape[0], bias)
     return F.linear(x, weight, bias)
+
+
+PACK_DTYPE = "_pack_dtype"  # a module's packed weights' dtype (float32 if unset)
+
+
+def pack_weights_as(module: nn.Module, dtype: torch.dtype) -> None:
+    """The packed kernel streams `module`'s linear weights (all its submodules') in `dtype`
+    (float32 or bfloat16) from now on, computing in float32 as before; the parameters stay
+    as they are. For a draft model: bfloat16 halves the bytes each draft step reads, and a
+    draft's rounding changes only which tokens are proposed, never what verification emits."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"packed weights are float32 or bfloat16, not {dtype}")
+    for m in module.modules():
+        m.__dict__[PACK_DTYPE] = dtype
+        m.__dict__.pop("_packed", None)
 
 
 def speed_check(ops, rows: int = 64, reps: int = 5) -> float:

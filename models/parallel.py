@@ -182,3 +182,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last(kernels.linear(self, hidden, self.weight))
         return logits[..., : self.vocab_size]
+
+
+def draft_head(head: ParallelLMHead) -> ParallelLMHead:
+    """A second head over `head`'s weight (the same tensor, not a copy): a draft's own, whose
+    weights the CPU kernels may stream in another dtype than the target's (models/kernels.py,
+    pack_weights_as)."""
+    other = ParallelLMHead(head.vocab_size, head.weight.shape[1], head.tp)
+    other.weight = head.weight
+    return other

@@ -294,3 +294,41 @@ def test_speed_check_warns_when_the_packed_kernel_is_slow(caplog):
     with caplog.at_level("WARNING", logger="adaspec.kernels"):
         assert kernels.speed_check(Ops(0.05)) > kernels.SLOW_VS_TORCH
     assert "slower than torch" in caplog.text
+
+
+def test_bfloat16_panels_compute_in_float32_from_rounded_weights(ops):
+    """Weights packed as bfloat16 (a draft's, speculative.draft_weights): the product of the
+    rounded weights, accumulated in float32, batch-invariant like the float32 panels."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(300, 256, generator=g), torch.randn(300, generator=g)
+    packed = ops.pack_linear_weight(w.to(torch.bfloat16))
+    assert packed.dtype == torch.bfloat16
+    x = torch.randn(37, 256, generator=g)
+    full = ops.packed_linear(x, packed, 300, b)
+    torch.testing.assert_close(full, F.linear(x, w.to(torch.bfloat16).float(), b), rtol=1e-4, atol=1e-4)
+    assert (full - F.linear(x, w, b)).abs().max() > 1e-3  # the rounding is there
+    for rows in (slice(0, 1), slice(3, 11), slice(30, 37)):
+        assert torch.equal(ops.packed_linear(x[rows].contiguous(), packed, 300, b), full[rows])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.pack_linear_weight(w.half())
+
+
+def test_pack_weights_as_moves_a_module_to_bfloat16_panels(ops):
+    """kernels.pack_weights_as: the module's linear layers pack their (unchanged) float32
+    weights as bfloat16 from then on, and back."""
+    from models.parallel import ReplicatedLinear
+
+    layer = ReplicatedLinear(64, 48)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        exact = layer(x)
+        kernels.pack_weights_as(layer, torch.bfloat16)
+        rounded = layer(x)
+        assert layer.weight.dtype == torch.float32
+        torch.testing.assert_close(rounded, F.linear(x, layer.weight.to(torch.bfloat16).float()), rtol=1e-4, atol=1e-4)
+        assert not torch.equal(rounded, exact)
+        kernels.pack_weights_as(layer, torch.float32)
+        assert torch.equal(layer(x), exact)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.pack_weights_as(layer, torch.float16)

@@ -44,6 +44,31 @@ def test_greedy_equals_target_tp2(method, ray_session, sharegpt_prompts, referen
         engine.shutdown()
 
 
+@pytest.mark.parametrize("weights", ["bfloat16", "float32"])
+def test_draft_weights_are_streamed_as_configured(weights, ops, sharegpt_prompts, reference):
+    """speculative.draft_weights: the MTP layer and its own head pack their weights in that
+    dtype, the target's stay float32 (the head's tensor shared, not copied), and greedy
+    output is the target's either way."""
+    import torch
+
+    engine = local_engine(tiny_config("parallel.tp_size=1", f"speculative.draft_weights={weights}",
+                                      "speculative.num_speculative_tokens=3"))
+    try:
+        assert token_ids(engine.generate(sharegpt_prompts[:4], greedy(MAX_TOKENS))) == reference[:4]
+        runner = engine.workers.worker.runner
+        head = runner.proposer.head
+        assert head is not runner.target.lm_head and head.weight is runner.target.lm_head.weight
+
+        def packed(*modules):
+            return {m.__dict__["_packed"][1].dtype for top in modules for m in top.modules() if "_packed" in m.__dict__}
+
+        assert packed(runner.proposer.mtp, head) == {getattr(torch, weights)}
+        assert packed(runner.target) == {torch.float32}
+        assert engine.stats.accepted > 0
+    finally:
+        engine.shutdown()
+
+
 def test_tp16_matches_tp1(ray_session, sharegpt_prompts, reference):
     engine = Engine(tiny_config("parallel.tp_size=16", "speculative.num_speculative_tokens=3",
                                 "parallel.placement_strategy=PACK"))

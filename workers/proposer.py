@@ -18,6 +18,7 @@ from models.attention import AttnBatch
 from models.decoder import CausalLM
 from models.deepseek import DeepseekMTPLayer
 from models.mtp import MTPModule
+from models.parallel import ParallelLMHead
 
 
 COMPACT_AT = 16  # hidden pieces a sequence holds before they are joined into one
@@ -121,9 +122,15 @@ class MTPProposer(Proposer):
     separate module (the target's head gives its logits) or the target checkpoint's own
     MTP layer (DeepSeek-V3: its own `shared_head`)."""
 
-    def __init__(self, mtp: MTPModule | DeepseekMTPLayer, target: CausalLM, num_blocks: int, block_size: int):
-        self.mtp, self.target = mtp, target
-        self.logits = mtp.logits if isinstance(mtp, DeepseekMTPLayer) else target.logits
+    def __init__(self, mtp: MTPModule | DeepseekMTPLayer, target: CausalLM, num_blocks: int, block_size: int,
+                 head: ParallelLMHead | None = None):
+        """head: the draft's own copy of the target's head (models.parallel.draft_head), whose
+        weights the kernels may stream in another dtype than the target's; default: the target's."""
+        self.mtp, self.target, self.head = mtp, target, head
+        if isinstance(mtp, DeepseekMTPLayer):
+            self.logits = mtp.logits
+        else:
+            self.logits = target.logits if head is None else (lambda hidden: head(hidden).float())
         self.cache = mtp.new_kv_cache(num_blocks, block_size)
 
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:

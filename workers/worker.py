@@ -16,8 +16,9 @@ from controller.time_model import TimeModel
 from models import kernels
 from models.config import ModelArch, ModelConfig
 from models.loader import load_causal_lm
+from models.deepseek import DeepseekMTPLayer
 from models.mtp import load_deepseek_mtp, load_mtp
-from models.parallel import TPGroup
+from models.parallel import TPGroup, draft_head
 from workers.config import CacheConfig, ParallelConfig
 from workers.plan import StepPlan, StepResult
 from workers.proposer import DraftModelProposer, MTPProposer, Proposer
@@ -110,12 +111,18 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
     if spec.enabled and spec.method == "mtp":
         mtp = (load_mtp(model.mtp, target.arch, tp, dtype, device) if model.mtp is not None
                else load_deepseek_mtp(model.target, target.arch, tp, dtype, device))
-        proposer = MTPProposer(mtp, target, cache.num_blocks, cache.block_size)
+        # the draft streams its weights (its own layer and, as a head of its own, the target's) as configured
+        head = None if isinstance(mtp, DeepseekMTPLayer) else draft_head(target.lm_head)
+        for module in (mtp, head):
+            if module is not None:
+                kernels.pack_weights_as(module, DTYPES[spec.draft_weights])
+        proposer = MTPProposer(mtp, target, cache.num_blocks, cache.block_size, head)
     elif spec.enabled and spec.method == "draft_model":
         draft = load_causal_lm(model.draft, TPGroup(), dtype, device)  # small: replicated on every rank
         if draft.arch.vocab_size != target.arch.vocab_size:
             raise ValueError(f"model.draft vocab_size={draft.arch.vocab_size} differs from the target's "
                              f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
+        kernels.pack_weights_as(draft, DTYPES[spec.draft_weights])
         proposer = DraftModelProposer(draft, cache.num_blocks, cache.block_size)
     # the controller's compiled batch-1 path comes with the CPU kernels (models/csrc/one_row.cpp)
     policy = SpecPolicy(spec, compiled=kernels.cpu_ops() if proposer is not None else None)

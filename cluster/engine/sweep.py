@@ -38,7 +38,8 @@ def identity(cfg: Config) -> dict:
     proposer = (cfg.model.mtp if spec.method == "mtp" else cfg.model.draft) if spec.enabled else None
     return {"format": CACHE_FORMAT, "target": checkpoint_stamp(cfg.model.target),
             "proposer": checkpoint_stamp(proposer) if proposer else None,
-            "method": spec.method if spec.enabled else None, "tp_size": cfg.parallel.tp_size,
+            "method": spec.method if spec.enabled else None, "draft_weights": spec.draft_weights,
+            "tp_size": cfg.parallel.tp_size,
             "device": device_name(cfg.parallel.device), "dtype": cfg.model.dtype,
             "k": spec.num_speculative_tokens, "block_size": cfg.cache.block_size,
             "threads": cfg.parallel.threads(), "max_num_seqs": cfg.engine.max_num_seqs, "code": code_fingerprint()}

@@ -1,5 +1,6 @@
 // Small-batch float32 linear layers for the CPU: y (M, N) = x (M, K) @ W^T (+ bias), with W
-// packed once into panels of 16 output features, (ceil(N / 16), K, 16): for each k, a
+// packed once (float32, or bfloat16 for a draft's weights, widened in registers) into
+// panels of 16 output features, (ceil(N / 16), K, 16): for each k, a
 // panel's 16 weights are one vector, so a register tile of 4 rows x 64 columns takes one
 // broadcast per row and four vector loads per k. Work is split over groups of 64 output
 // columns, so both cores share even a one-row product (MKL runs those on one).
@@ -22,12 +23,22 @@ constexpr int64_t ROWS = 4;    // rows per register tile
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
 
+typedef uint16_t bf16x16 __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
 // One unaligned vector load (see vec_math.h: through std::memcpy GCC 12 made it 10x slower).
 inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 
-// Rows [0, R) of x against panels [0, P) starting at wp; columns beyond `cols` are dropped.
-template <int R, int P>
-void tile(const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t ldy, int64_t cols) {
+// 16 bfloat16 weights (their bits) as floats: a bfloat16 is the upper half of a float.
+inline vec load(const uint16_t* p) {
+  const u32x16 bits = __builtin_convertvector(*reinterpret_cast<const bf16x16*>(p), u32x16) << 16;
+  return (vec)bits;
+}
+
+// Rows [0, R) of x against panels [0, P) starting at wp (float32 or bfloat16 weights, W);
+// columns beyond `cols` are dropped.
+template <int R, int P, typename W>
+void tile(const float* x, int64_t K, const W* wp, const float* bias, float* y, int64_t ldy, int64_t cols) {
   // acc must stay in registers: its loops are unrolled and its address is never taken (the
   // bias and the stores go through copies). GCC 12 kept an addressed acc on the stack, one
   // load and store per multiply-add: 10x slower.
@@ -69,33 +80,55 @@ void tile(const float* x, int64_t K, const float* wp, const float* bias, float* 
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t, int64_t);
 
-template <int R>
-TileFn tile_for_panels(int64_t p) {
+template <int R, typename W>
+TileFn<W> tile_for_panels(int64_t p) {
   switch (p) {
-    case 1: return &tile<R, 1>;
-    case 2: return &tile<R, 2>;
-    case 3: return &tile<R, 3>;
-    default: return &tile<R, 4>;
+    case 1: return &tile<R, 1, W>;
+    case 2: return &tile<R, 2, W>;
+    case 3: return &tile<R, 3, W>;
+    default: return &tile<R, 4, W>;
   }
 }
 
-TileFn tile_fn(int64_t rows, int64_t panels) {
+template <typename W>
+TileFn<W> tile_fn(int64_t rows, int64_t panels) {
   switch (rows) {
-    case 1: return tile_for_panels<1>(panels);
-    case 2: return tile_for_panels<2>(panels);
-    case 3: return tile_for_panels<3>(panels);
-    default: return tile_for_panels<4>(panels);
+    case 1: return tile_for_panels<1, W>(panels);
+    case 2: return tile_for_panels<2, W>(panels);
+    case 3: return tile_for_panels<3, W>(panels);
+    default: return tile_for_panels<4, W>(panels);
   }
+}
+
+template <typename W>
+void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t N,
+                   int64_t np) {
+  const int64_t groups = (np + PANELS - 1) / PANELS;
+  adaspec::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * PANELS, panels = std::min(PANELS, np - p0);
+      const int64_t col0 = p0 * LANES, cols = std::min(panels * LANES, N - col0);
+      for (int64_t m = 0; m < M; m += ROWS) {
+        const int64_t rows = std::min(ROWS, M - m);
+        tile_fn<W>(rows, panels)(xp + m * K, K, wp + p0 * K * LANES, bp ? bp + col0 : nullptr, yp + m * N + col0, N,
+                                 cols);
+      }
+    }
+  });
 }
 
 }  // namespace
 
-// (N, K) weight -> (ceil(N / 16), K, 16) panels, zero-padded past N.
+// (N, K) weight -> (ceil(N / 16), K, 16) panels, zero-padded past N, of its dtype: float32,
+// or bfloat16 (half the bytes to stream; a draft model's weights, whose rounding changes only
+// which tokens are proposed, never what verification emits).
 torch::Tensor pack_linear_weight(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu(),
-              "weight must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16) &&
+                  w.device().is_cpu(),
+              "weight must be a 2-D float32 or bfloat16 CPU tensor");
   const int64_t N = w.size(0), K = w.size(1), np = (N + LANES - 1) / LANES;
   auto padded = torch::zeros({np * LANES, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
@@ -117,20 +150,12 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   }
   const int64_t M = x.size(0), K = x.size(1), np = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = (np + PANELS - 1) / PANELS;
-  adaspec::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p0 = g * PANELS, panels = std::min(PANELS, np - p0);
-      const int64_t col0 = p0 * LANES, cols = std::min(panels * LANES, N - col0);
-      for (int64_t m = 0; m < M; m += ROWS) {
-        const int64_t rows = std::min(ROWS, M - m);
-        tile_fn(rows, panels)(xp + m * K, K, wp + p0 * K * LANES, bp ? bp + col0 : nullptr, yp + m * N + col0, N,
-                              cols);
-      }
-    }
-  });
+  if (packed.scalar_type() == torch::kBFloat16) {
+    linear_panels(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
+                  y.data_ptr<float>(), M, K, N, np);
+  } else {
+    TORCH_CHECK(packed.scalar_type() == torch::kFloat32, "packed weight must be float32 or bfloat16");
+    linear_panels(x.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, np);
+  }
   return y;
 }
