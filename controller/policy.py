@@ -38,7 +38,7 @@ class SpecPolicy:
         """compiled: the CPU kernels' module (models/kernels.py), whose compiled OneRow batch 1
         decides with (the same answers as controller/one_row.py's); None: the Python one."""
         self.cfg = cfg
-        self.compiled = compiled if compiled is not None and hasattr(compiled, "OneRow") else None
+        self.compiled = compiled
         self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow, fixed units)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))

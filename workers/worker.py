@@ -15,8 +15,8 @@ from controller.policy import SpecPolicy
 from controller.time_model import TimeModel
 from models import kernels
 from models.config import ModelArch, ModelConfig
-from models.loader import load_causal_lm
 from models.deepseek import DeepseekMTPLayer
+from models.loader import load_causal_lm
 from models.mtp import load_deepseek_mtp, load_mtp
 from models.parallel import TPGroup, draft_head
 from workers.config import CacheConfig, ParallelConfig
@@ -124,8 +124,10 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
                              f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
         kernels.pack_weights_as(draft, DTYPES[spec.draft_weights])
         proposer = DraftModelProposer(draft, cache.num_blocks, cache.block_size)
-    # the controller's compiled batch-1 path comes with the CPU kernels (models/csrc/one_row.cpp)
-    policy = SpecPolicy(spec, compiled=kernels.cpu_ops() if proposer is not None else None)
+    # the controller's compiled batch-1 path comes with the CPU kernels (models/csrc/one_row.cpp): built for CPU
+    # ranks, whose forwards leave the controller's Python out of cache, not for an accelerator's
+    compiled = kernels.cpu_ops() if proposer is not None and device.type == "cpu" else None
+    policy = SpecPolicy(spec, compiled=compiled)
     return ModelRunner(rank, target, proposer, policy, cache.num_blocks, cache.block_size, device)
 
 
