@@ -88,6 +88,8 @@ def test_a_restarted_one_row_is_a_new_one():
     one = OneRow(a, 0.01, 5, [[0.0, 1.0, 0.0, 0.0]] * 6)
     for p in (0.9, 0.8, 0.1):
         one.add_logistic(p, p / 2)
+    one.add(0.0)  # a path probability of 0: no longer prefix counts
+    assert one.closed
     one.restart(b.ctx_list[0], b.fixed + b.ctx_sum, 3)
     assert vars(one) == vars(OneRow(b, 0.01, 3, [[0.0, 1.0, 0.0, 0.0]] * 6))
 
