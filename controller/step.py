@@ -82,20 +82,20 @@ class SpecStep:
         return min(k, best_m + 1) if best_m and policy.cfg.adaptive.early_stop else best_m
 
     # ------------------------------------------------------------------ early stop
-    def keep_drafting(self, top_prob: list[np.ndarray], margin: list[np.ndarray], tokens: list[np.ndarray]) -> bool:
-        """After j draft steps (top_prob, margin, tokens: j columns, one value per drafting
-        row), is draft j+1 worth drafting? adaptive: only if the best keep set with it, each
+    def keep_drafting(self, top_prob: np.ndarray, margin: np.ndarray, tokens: np.ndarray) -> bool:
+        """After j draft steps (top_prob, margin, tokens: (n, j), a row per drafting sequence),
+        is draft j+1 worth drafting? adaptive: only if the best keep set with it, each
         sequence's next draft at its position's observed conditional acceptance (one step
         ahead; the draft itself is not known yet), beats the best without it and without its
         draft step; oracle: only if some sequence still matches the reference."""
-        j = len(top_prob)
+        j = top_prob.shape[1]
         if self.mode == "oracle":
-            return bool((self._oracle_match(np.stack([np.asarray(t) for t in tokens], 1)) >= j).any())
+            return bool((self._oracle_match(np.asarray(tokens)) >= j).any())
         if self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop:
             return True
         # draft times are predicted, never measured: the same on every rank
         if self._one_row_ok():
-            return self._one_row().next(j, float(top_prob[j - 1][0]), float(margin[j - 1][0]))
+            return self._one_row().next(j, float(top_prob[0, j - 1]), float(margin[0, j - 1]))
         cols = self._estimates(top_prob, margin, j)
         if not isinstance(cols[0], list):  # large batch: each position's path probabilities quantised once
             return worth_drafting_paths(self._path_cols(j), self._costs(), self.policy.cfg.adaptive.min_gain,
@@ -196,7 +196,7 @@ class SpecStep:
         """Acceptance estimates of the step's first `count` draft positions, one column
         each, computed once per position and step (the calibrators change only between
         steps); Python lists for small batches, arrays for large ones. top_prob, margin:
-        lists of (n,) columns or (n, m) arrays. token_prob's early stop uses the top
+        (n, >= count) arrays. token_prob's early stop uses the top
         probability, an upper bound of the drafted token's."""
         if self.conf is None:
             self.conf = []
@@ -204,12 +204,10 @@ class SpecStep:
         policy = self.policy
         est = policy.cfg.adaptive.estimator
         for j in range(len(self.conf), count):
-            col, m = _column(top_prob, j), _column(margin, j)
-            if small != isinstance(col, list):
-                col = col.tolist() if small else np.asarray(col, dtype=np.float64)
+            col, m = top_prob[:, j], margin[:, j]
+            col = col.tolist() if small else np.asarray(col, dtype=np.float64)
             if est == "top_prob_logistic":
-                if small != isinstance(m, list):
-                    m = m.tolist() if small else np.asarray(m, dtype=np.float64)
+                m = m.tolist() if small else np.asarray(m, dtype=np.float64)
                 col = policy.logistic.estimate_column(col, m, j)
             elif est == "top_prob_calibrated":
                 col = policy.calibrator.estimate(np.asarray(col, dtype=np.float64)[:, None], start=j)[:, 0]
@@ -222,7 +220,3 @@ def _matrix(cols: list[list[float]]) -> list[list[float]]:
     """A small batch's columns (Python lists) -> rows, as the decision takes them."""
     return [list(row) for row in zip(*cols)]
 
-
-def _column(a, j: int):
-    """Column j of a list of columns or of an (n, m) array."""
-    return a[:, j] if isinstance(a, np.ndarray) else a[j]

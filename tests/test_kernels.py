@@ -77,6 +77,36 @@ def test_silu_mul(ops):
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("vocab", [4096, 1000, 17])
+def test_draft_top2_matches_softmax_and_topk(ops, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g) * 4
+    logits[1, -1] = 50.0  # the maximum in the tail past the last full vector
+    logits[2, 3] = logits[2, vocab - 1] = 60.0  # equal maxima: the first wins, the margin is 0
+    logits[3, :vocab // 2] = float("-inf")  # masked entries
+    logits[4] = 0.0  # every entry equal
+    tokens, top, margin = torch.full((9,), -1), torch.zeros(9, dtype=torch.float64), torch.zeros(9, dtype=torch.float64)
+    ops.draft_top2(logits, tokens, top, margin)
+    q = torch.softmax(logits.double(), dim=-1)
+    two = q.topk(2, dim=-1).values
+    assert tokens.tolist() == [int(torch.nonzero(row == row.max())[0]) for row in logits]
+    torch.testing.assert_close(top, two[:, 0], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(margin, two[:, 0] - two[:, 1], rtol=1e-6, atol=1e-9)
+    assert margin[2] == 0.0 and tokens[2] == 3
+    again = torch.empty(9, dtype=torch.float64)
+    ops.draft_top2(logits[[0]], tokens[:1], again[:1], again[1:2])
+    assert again[0] == top[0] and again[1] == margin[0]  # a row's answer does not depend on the batch
+
+
+def test_argmax_rows_takes_the_first_of_equal_maxima(ops):
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
+    logits[1, 7] = logits[1, 998] = 40.0  # equal maxima, the second in the tail
+    logits[2, 999] = 40.0  # the last column
+    logits[3] = 1.0  # all equal
+    assert ops.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist() == [
+        int(torch.nonzero(row == row.max())[0]) for row in logits]
+
 def _attention_inputs(tokens: int, g: torch.Generator):
     nkv, hd, blocks, bs = 4, 32, 8, 16
     k_cache, v_cache = torch.randn(blocks, nkv, hd, bs, generator=g), torch.randn(blocks, nkv, bs, hd, generator=g)

@@ -121,8 +121,7 @@ def test_the_policy_decides_batch_1_with_the_compiled_one_row(ops):
         policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)  # the first step probes: not this one
         step = policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)
         assert step.budget > 0 and not step.probe
-        top, margin = [np.array([0.9])], [np.array([0.85])]
-        answers.append(step.keep_drafting(top, margin, [np.array([7])]))
+        answers.append(step.keep_drafting(np.array([[0.9]]), np.array([[0.85]]), np.array([[7]])))
         kinds.append(type(step._one).__module__)
     assert kinds == ["adaspec_cpu_ops", "controller.one_row"]
     assert answers[0] == answers[1]

@@ -148,7 +148,7 @@ def test_early_stop_looks_one_draft_ahead_at_the_observed_rate(n):
         policy.last_probe = 10**9  # no probe
         step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1, 4)
         assert abs(policy.next_rates[1] - second) < 0.05
-        assert step.keep_drafting([np.full(n, 0.5)], [np.full(n, 0.2)], [np.full(n, 7)]) is expected
+        assert step.keep_drafting(np.full((n, 1), 0.5), np.full((n, 1), 0.2), np.full((n, 1), 7)) is expected
 
 
 def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
@@ -228,8 +228,7 @@ def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
         step = policy.begin_step("adaptive", kv, caps, 1, 7)
         top, margin = rng.beta(8, 1, size=(n, 7)), rng.beta(4, 1, size=(n, 7))
         m = 1
-        while m < 7 and step.keep_drafting([top[:, j] for j in range(m)], [margin[:, j] for j in range(m)],
-                                           [np.zeros(n)] * m):
+        while m < 7 and step.keep_drafting(top[:, :m], margin[:, :m], np.zeros((n, m))):
             m += 1
         step.keep(top[:, :m], top[:, :m], margin[:, :m], None)
         expected = decide_with(np.stack(step.conf[:m], 1), step._costs(), policy.cfg.adaptive.min_gain,

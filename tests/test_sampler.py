@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.plan import SamplingParams
-from workers.sampler import greedy_accept, probs_from_logits, rejection_accept
+from workers.sampler import argmax_rows, draft_top2, greedy_accept, probs_from_logits, rejection_accept
 
 V = 6
 
@@ -79,3 +79,24 @@ def test_temperature_sharpens_and_flattens():
     hot, cold = (probs_from_logits(logits, SamplingParams(temperature=t)) for t in (2.0, 0.5))
     assert hot[0].item() == pytest.approx(1 / (1 + math.exp(-0.5)))
     assert cold[0].item() == pytest.approx(1 / (1 + math.exp(-2.0)))
+
+
+def test_draft_inputs_are_the_same_with_and_without_the_kernels(ops, monkeypatch):
+    """The CPU kernel and torch's softmax and top-2 (the path on other devices) agree."""
+    from models import kernels
+
+    logits = torch.randn(5, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    logits[2, 100] = logits[2, 4000] = 30.0  # equal maxima
+
+    def run():
+        tokens, top, margin = torch.empty(5, dtype=torch.long), *torch.empty(2, 5, dtype=torch.float64)
+        draft_top2(logits, tokens, top, margin)
+        return tokens, top, margin, argmax_rows(logits)
+
+    fast = run()
+    monkeypatch.setattr(kernels, "ops_for", lambda *tensors: None)
+    slow = run()
+    assert fast[0].tolist() == slow[0].tolist() == fast[3] == slow[3]
+    assert fast[0][2] == 100
+    torch.testing.assert_close(fast[1], slow[1], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(fast[2], slow[2], rtol=1e-6, atol=1e-8)

@@ -21,7 +21,8 @@ from models.attention import AttnBatch
 from models.decoder import CausalLM
 from workers.plan import ForkPlan, SamplingParams, SeqOutput, StepPlan, StepResult, StepStats, StepTrace
 from workers.proposer import MTPProposer, Proposer, SeqState
-from workers.sampler import draft_sample, greedy_accept, probs_from_logits, rejection_accept, sample_token
+from workers.sampler import (argmax_rows, draft_sample, draft_top2, greedy_accept, probs_from_logits,
+                             rejection_accept, sample_token)
 
 
 @dataclass
@@ -230,51 +231,51 @@ class ModelRunner:
 
     def _draft_rows(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, keep_drafting,
                     trace: bool) -> DraftBlock:
-        """Up to `budget` draft positions for every one of seqs; keep_drafting: the early stop."""
+        """Up to `budget` draft positions for every one of seqs; keep_drafting: the early stop.
+        Position j's tokens and confidence inputs go into row j of (budget, n) buffers, which
+        the early stop and the block read as (n, j) views: nothing is stacked or converted
+        between the draft's forward passes but one kernel call (sampler.draft_top2)."""
+        n = len(seqs)
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
-        tokens, chosen, qs = [], [], {i: [] for i in sampled}
-        top_cols, margins, control_ms = [], [], 0.0  # (n,) float64 columns for the early stop, and its time
-        entropies = []
+        qs = {i: [] for i in sampled}
+        tokens = torch.empty(budget, n, dtype=torch.long)
+        inputs = torch.empty(3, budget, n, dtype=torch.float64)  # top probability, margin, drafted token's probability
+        top, margin, chosen = inputs.numpy()
+        entropies, control_ms, m = [], 0.0, 0
         run, logits = self.proposer.begin(seqs, self.block_size)
         for j in range(budget):
-            q = torch.softmax(logits.float().cpu(), dim=-1)  # (n, V)
-            top2, top_ids = q.topk(2, dim=-1)
-            two = top2.numpy()  # float32; numpy subtracts float32 as torch does: the same margins
-            p_top, margin = two[:, 0].astype(np.float64), (two[:, 0] - two[:, 1]).astype(np.float64)
-            d = top_ids[:, 0]  # a view: sampled rows overwrite it below, and nothing else reads top_ids
-            p_tok = p_top.copy()
+            m = j + 1
+            logits = logits.float().cpu()
+            d = tokens[j]
+            draft_top2(logits, d, inputs[0, j], inputs[1, j])
+            chosen[j] = top[j]
             for i in sampled:
-                qi = probs_from_logits(logits[i].float().cpu(), params[i])
+                qi = probs_from_logits(logits[i], params[i])
                 qs[i].append(qi)
                 d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
                 best = qi.topk(2).values
-                p_top[i], p_tok[i], margin[i] = float(best[0]), float(qi[d[i]]), float(best[0] - best[1])
+                top[j, i], chosen[j, i], margin[j, i] = float(best[0]), float(qi[d[i]]), float(best[0] - best[1])
             if trace:
-                dist = q.clone()
+                dist = torch.softmax(logits, dim=-1)
                 for i in sampled:
                     dist[i] = qs[i][-1]
                 entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
-            tokens.append(d)
-            top_cols.append(p_top)
-            margins.append(margin)
-            chosen.append(p_tok)
             if j == budget - 1:
                 break
             t0 = time.perf_counter()
-            more = keep_drafting(top_cols, margins, tokens)
+            more = keep_drafting(top[:m].T, margin[:m].T, tokens[:m].T)
             control_ms += (time.perf_counter() - t0) * 1e3
             if not more:
                 break
             logits = self.proposer.next(run, d.to(self.device))
-        return DraftBlock(torch.stack(tokens, 1), np.stack(top_cols, 1), np.stack(chosen, 1),
-                          len(tokens), {i: torch.stack(rows) for i, rows in qs.items()}, np.stack(margins, 1),
-                          torch.stack(entropies, 1).double().numpy() if trace else None, control_ms,
+        return DraftBlock(tokens[:m].T, top[:m].T, chosen[:m].T, m, {i: torch.stack(rows) for i, rows in qs.items()},
+                          margin[:m].T, torch.stack(entropies, 1).double().numpy() if trace else None, control_ms,
                           run.catchup_tokens)
 
     def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats) -> list[SeqOutput]:
         """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts; lens: keep + 1,
         the rows of `logits` (T, V) each sequence owns, in order."""
-        target = logits.argmax(dim=-1).tolist()  # the target's choice after each validated token
+        target = argmax_rows(logits)  # the target's choice after each validated token
         accepted, emitted, row = [], [], 0
         for i, (s, p) in enumerate(zip(seqs, plan.seqs)):
             verified = lens[i] - 1

@@ -229,6 +229,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& top, torch::Tensor& margin);
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 // one_row.cpp: batch 1's speculation decisions
 void bind_one_row(py::module& m);
@@ -241,6 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row", nogil());
   m.def("rotary_", &rotary_, "neox rotary embedding, in place", nogil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil());
+  m.def("argmax_rows", &argmax_rows, "each row's first largest value's index", nogil());
+  m.def("draft_top2", &draft_top2, "per row: the softmax's top token, its probability and the margin to the second", nogil());
   m.def("pack_linear_weight", &pack_linear_weight, "pack a linear weight into 16-wide panels", nogil());
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a packed W", nogil(), py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none());
