@@ -36,6 +36,7 @@ class OneRow:
         """weights: the logistic model's (w0, w1, w2, w3) per position, for add_logistic."""
         self.f, self.o, self.weights = costs.f_list, costs.per_token, weights
         self.min_gain, self.scale = min_gain, 1.0 + min_gain
+        self.top = self.margin = None  # watched buffers (watch)
         self.restart(costs.ctx_list[0], costs.fixed + costs.ctx_sum, cap)
 
     def restart(self, ctx: int, fixed: int, cap: int) -> None:
@@ -80,6 +81,19 @@ class OneRow:
             raise ValueError("OneRow.next: drafts must arrive in order")
         self.add_logistic(p, m)
         return self.worth_drafting(self.draft_units[j], self.draft_units[j + 1], self.rates[j])
+
+    def watch(self, top, margin) -> None:
+        """The draft loop's (budget, n) float64 buffers of top probabilities and margins (held,
+        not copied): next_at(j) reads draft j's of row 0 itself."""
+        if top.shape != margin.shape or top.ndim != 2:
+            raise ValueError("OneRow.watch: top and margin must be equal (budget, n) arrays")
+        self.top, self.margin = top, margin
+
+    def next_at(self, j: int) -> bool:
+        """next(j, ...) with draft j's top probability and margin read from the watched buffers."""
+        if not 1 <= j <= len(self.top):
+            raise IndexError("OneRow.next_at: no such row in the watched buffers")
+        return self.next(j, float(self.top[j - 1, 0]), float(self.margin[j - 1, 0]))
 
     def keep(self, m: int) -> int:
         """Drafts to verify of the m drafted."""

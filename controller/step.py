@@ -3,7 +3,7 @@ runner top to bottom:
 
     step = policy.begin_step(mode, kv, max_keep, version, k)
     draft step.budget positions for step.rows (None: every sequence), and after each one
-        step.keep_drafting(...)           the early stop
+        step.keep_drafting(...)           the early stop (step.early_stop: as a callable of j)
     keep = step.keep(...)                 drafts each sequence validates
     policy.end_step(step, ...)            outcomes, calibration batches, the probe back-off
 
@@ -103,6 +103,17 @@ class SpecStep:
                                         self.max_keep)
         return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
                               self._draft_ms(j + 1), self.policy.next_rates[j], self.max_keep_list)
+
+    def early_stop(self, top_prob: np.ndarray, margin: np.ndarray, tokens):
+        """The early stop over the draft loop's (budget, n) buffers, which it fills a row per
+        position: a callable j -> keep_drafting after j drafts. Batch 1 on the logistic
+        estimate: its OneRow's next_at, which reads row j - 1 itself, so the question between
+        two draft forwards is one call (compiled, where the kernels load)."""
+        if self.mode == "adaptive" and not self.probe and self.policy.cfg.adaptive.early_stop and self._one_row_ok():
+            one = self._one_row()
+            one.watch(top_prob, margin)
+            return one.next_at
+        return lambda j: self.keep_drafting(top_prob[:j].T, margin[:j].T, tokens[:j].T)
 
     # ------------------------------------------------------------------ keep
     def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,

@@ -42,8 +42,9 @@ def _random_costs(rng, k: int):
 
 def test_compiled_one_row_decides_as_the_python_one(ops):
     """Built up a draft at a time on random steps (costs, min_gain, caps, draft times, logistic
-    weights, rates), through add, add_logistic or next: after every draft the early stop's
-    answer and the keep set with its score are equal."""
+    weights, rates), through add, add_logistic, next or next_at (reading the draft loop's
+    buffers): after every draft the early stop's answer and the keep set with its score are
+    equal."""
     rng = np.random.default_rng(1)
     answers = []
     for _ in range(600):
@@ -54,20 +55,26 @@ def test_compiled_one_row_decides_as_the_python_one(ops):
         d_first, g = float(rng.uniform(0, 3)), float(rng.uniform(0, 3))
         draft = [draft_units(d_first + j * g) if j else 0 for j in range(k + 2)]
         rates = rng.uniform(0, 1, k + 1).tolist()
-        how = rng.choice(["add", "add_logistic", "next"])
+        how = rng.choice(["add", "add_logistic", "next", "next_at"])
         mine = new_one_row(costs, min_gain, cap, ops.LogisticWeights(weights), ops)
         ref = OneRow(costs, min_gain, cap, weights)
-        if rng.random() < 0.5:  # a later step of the same time model: both restarted
-            mine.add(0.5)
-            ref.add(0.5)
-            ctx, cap = int(rng.integers(0, 300)), int(rng.integers(0, 8))
-            mine.restart(ctx, costs.fixed + ctx, cap)
-            ref.restart(ctx, costs.fixed + ctx, cap)
-        mine.set_terms(draft, rates)
-        ref.set_terms(draft, rates)
+        told = OneRow(costs, min_gain, cap, weights)  # next_at's reference: told each draft by next
+        restart = rng.random() < 0.5  # a later step of the same time model: all restarted
+        ctx, cap = int(rng.integers(0, 300)), int(rng.integers(0, 8))
+        inputs = np.zeros((2, k, 1))  # the draft loop's buffers, filled a row per draft
+        for one in (mine, ref, told):
+            if restart:
+                one.add(0.5)
+                one.restart(ctx, costs.fixed + ctx, cap)
+            one.set_terms(draft, rates)
+            one.watch(*inputs)
         for j in range(1, k + 1):
             p, m = float(rng.uniform(0, 1)), float(rng.uniform(0, 1))
-            if how == "next":
+            inputs[:, j - 1, 0] = p, m
+            if how == "next_at":
+                answers.append(told.next(j, p, m))
+                assert mine.next_at(j) == ref.next_at(j) == answers[-1]
+            elif how == "next":
                 answers.append(ref.next(j, p, m))
                 assert mine.next(j, p, m) == answers[-1]
             else:
@@ -106,22 +113,38 @@ def test_compiled_one_row_refuses_what_python_refuses(ops):
         made.set_terms([0, 10, 20, 30, 40], [0.5] * 4)
         with pytest.raises(ValueError, match="in order"):
             made.next(2, 0.5, 0.1)  # draft 1 never arrived
+    for made in (one, OneRow(costs, 0.0, 3)):
+        with pytest.raises(ValueError, match="equal"):
+            made.watch(np.zeros((3, 1)), np.zeros((2, 1)))
+    with pytest.raises(TypeError):
+        one.watch(np.zeros((3, 1), dtype=np.float32), np.zeros((3, 1)))  # not copied: would miss later rows
+    with pytest.raises(ValueError, match="contiguous rows"):
+        one.watch(np.zeros((3, 2))[:, :1], np.zeros((3, 1)))
+    one.watch(np.zeros((3, 1)), np.zeros((3, 1)))
+    with pytest.raises(IndexError, match="no such row"):
+        one.next_at(4)
     with pytest.raises(ValueError, match="in fours"):
         ops.logistic_estimate([1.0, 2.0], 0.5, 0.1)
 
 
 def test_the_policy_decides_batch_1_with_the_compiled_one_row(ops):
     """An adaptive batch-1 step of a policy given the kernels uses the compiled OneRow, and one
-    without them the Python one; the two steps answer alike."""
+    without them the Python one; the two steps answer alike, asked directly (keep_drafting) or
+    through the draft loop's buffers (early_stop)."""
     cfg = SpeculativeConfig(num_speculative_tokens=3, adaptive=AdaptiveConfig(enabled=True))
     kinds, answers = [], []
     for compiled in (ops, None):
-        policy = SpecPolicy(cfg, compiled=compiled)
-        policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))  # drafting pays
-        policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)  # the first step probes: not this one
-        step = policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)
-        assert step.budget > 0 and not step.probe
-        answers.append(step.keep_drafting(np.array([[0.9]]), np.array([[0.85]]), np.array([[7]])))
-        kinds.append(type(step._one).__module__)
-    assert kinds == ["adaspec_cpu_ops", "controller.one_row"]
-    assert answers[0] == answers[1]
+        for ask in ("keep_drafting", "early_stop"):
+            policy = SpecPolicy(cfg, compiled=compiled)
+            policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))  # drafting pays
+            policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)  # the first step probes: not this one
+            step = policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)
+            assert step.budget > 0 and not step.probe
+            top, margin, tokens = np.array([[0.9], [0.0], [0.0]]), np.array([[0.85], [0.0], [0.0]]), np.full((3, 1), 7)
+            if ask == "keep_drafting":
+                answers.append(step.keep_drafting(top[:1].T, margin[:1].T, tokens[:1].T))
+            else:
+                answers.append(step.early_stop(top, margin, tokens)(1))
+            kinds.append(type(step._one).__module__)
+    assert kinds == ["adaspec_cpu_ops"] * 2 + ["controller.one_row"] * 2
+    assert len(set(answers)) == 1

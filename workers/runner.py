@@ -224,24 +224,26 @@ class ModelRunner:
             empty = np.zeros((n, 0))
             return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
         if rows is None:
-            return self._draft_rows(seqs, params, step.budget, step.keep_drafting, trace)
-        part = self._draft_rows([seqs[i] for i in rows], [params[i] for i in rows], step.budget, step.keep_drafting,
+            return self._draft_rows(seqs, params, step.budget, step.early_stop, trace)
+        part = self._draft_rows([seqs[i] for i in rows], [params[i] for i in rows], step.budget, step.early_stop,
                                 trace)
         return part.placed(rows, n)
 
-    def _draft_rows(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, keep_drafting,
+    def _draft_rows(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, early_stop,
                     trace: bool) -> DraftBlock:
-        """Up to `budget` draft positions for every one of seqs; keep_drafting: the early stop.
+        """Up to `budget` draft positions for every one of seqs; early_stop: SpecStep.early_stop.
         Position j's tokens and confidence inputs go into row j of (budget, n) buffers, which
-        the early stop and the block read as (n, j) views: nothing is stacked or converted
-        between the draft's forward passes but one kernel call (sampler.draft_top2)."""
+        the early stop and the block read: nothing is stacked or converted between the
+        draft's forward passes but one kernel call (sampler.draft_top2)."""
         n = len(seqs)
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
         qs = {i: [] for i in sampled}
         tokens = torch.empty(budget, n, dtype=torch.long)
         inputs = torch.empty(3, budget, n, dtype=torch.float64)  # top probability, margin, drafted token's probability
         top, margin, chosen = inputs.numpy()
-        entropies, control_ms, m = [], 0.0, 0
+        t0 = time.perf_counter()
+        keep_drafting = early_stop(top, margin, tokens)
+        entropies, control_ms, m = [], (time.perf_counter() - t0) * 1e3, 0
         run, logits = self.proposer.begin(seqs, self.block_size)
         for j in range(budget):
             m = j + 1
@@ -263,7 +265,7 @@ class ModelRunner:
             if j == budget - 1:
                 break
             t0 = time.perf_counter()
-            more = keep_drafting(top[:m].T, margin[:m].T, tokens[:m].T)
+            more = keep_drafting(m)
             control_ms += (time.perf_counter() - t0) * 1e3
             if not more:
                 break

@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 namespace py = pybind11;
@@ -146,6 +147,23 @@ class OneRow {
     return worth_drafting(draft_units_.at(size_t(j)), draft_units_.at(size_t(j + 1)), rates_.at(size_t(j)));
   }
 
+  // The draft loop's (budget, n) buffers of top probabilities and margins, float64 with
+  // contiguous rows (held, not copied): next_at(j) reads draft j's of row 0 itself, so the
+  // early stop is one call between the draft's forward passes.
+  void watch(py::array_t<double> top, py::array_t<double> margin) {
+    for (const auto* a : {&top, &margin}) {
+      if (a->ndim() != 2 || a->shape(0) != top.shape(0) || a->shape(1) != top.shape(1) ||
+          a->strides(1) != sizeof(double) || a->strides(0) != a->shape(1) * int64_t(sizeof(double)))
+        throw py::value_error("OneRow.watch: top and margin must be equal (budget, n) float64 arrays with contiguous rows");
+    }
+    top_ = top, margin_ = margin;
+    watched_rows_ = top.shape(0), watched_stride_ = top.shape(1);
+  }
+  bool next_at(int64_t j) {
+    if (j < 1 || j > watched_rows_) throw py::index_error("OneRow.next_at: no such row in the watched buffers");
+    const int64_t at = (j - 1) * watched_stride_;
+    return next(j, top_.data()[at], margin_.data()[at]);
+  }
   // The keep count after m drafts: best(draft time of m, m).
   int64_t keep(int64_t m) const { return best(draft_units_.at(size_t(m)), m).first; }
 
@@ -168,6 +186,8 @@ class OneRow {
   std::vector<double> div_;     // (1 + min_gain)^m
   int64_t acc_ = CONF_ONE, drafts_ = 0;
   bool closed_ = false;
+  py::array_t<double> top_, margin_;  // watched buffers
+  int64_t watched_rows_ = 0, watched_stride_ = 0;
 };
 
 }  // namespace
@@ -187,6 +207,8 @@ void bind_one_row(py::module& m) {
       .def("worth_drafting", &OneRow::worth_drafting)
       .def("set_terms", &OneRow::set_terms, py::arg("draft_units"), py::arg("rates"))
       .def("next", &OneRow::next, py::arg("j"), py::arg("p"), py::arg("m"))
+      .def("watch", &OneRow::watch, py::arg("top").noconvert(), py::arg("margin").noconvert())
+      .def("next_at", &OneRow::next_at, py::arg("j"))
       .def("keep", &OneRow::keep, py::arg("m"))
       .def_property_readonly("drafts", &OneRow::drafts);
   m.def("logistic_estimate", &logistic, "the logistic acceptance estimate of one draft");
