@@ -85,6 +85,7 @@ def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_
     async def scenario():
         client = EngineClient(cfg, load_tokenizer(cfg.model.target))
         try:
+            assert client.info["niceness"] == 0  # not Ray's 15 for workers: preempted mid-step by every daemon
             joined = [t async for out in await client.add(prompt, greedy(24)) for t in out.new_token_ids]
             assert joined == expected
             long = await client.add(prompt, greedy(400))

@@ -73,7 +73,9 @@ class RayWorkerGroup:
         self.pg = placement_group([dict(bundle) for _ in range(parallel.tp_size)], strategy=parallel.placement_strategy)
         ray.get(self.pg.ready(), timeout=300)
         actor_cls = ray.remote(TPWorker)
-        env = {"OMP_NUM_THREADS": str(parallel.threads())}
+        # Ray starts its workers at niceness 15, where any process at 0 (the driver, Ray's own) preempts them
+        # mid-step; a rank runs at the driver's priority, as the job supervisor's driver does
+        env = {"OMP_NUM_THREADS": str(parallel.threads()), "RAY_worker_niceness": "0"}
         self.actors = [
             actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
