@@ -77,7 +77,6 @@ def test_silu_mul(ops):
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("vocab", [4096, 1000, 17])
 def test_draft_top2_matches_softmax_and_topk(ops, vocab):
     g = torch.Generator().manual_seed(vocab)
@@ -106,6 +105,7 @@ def test_argmax_rows_takes_the_first_of_equal_maxima(ops):
     logits[3] = 1.0  # all equal
     assert ops.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist() == [
         int(torch.nonzero(row == row.max())[0]) for row in logits]
+
 
 def _attention_inputs(tokens: int, g: torch.Generator):
     nkv, hd, blocks, bs = 4, 32, 8, 16

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from cluster.engine.ray_env import NICE_0_ENV
 from controller.time_model import TimeModel
 from workers.plan import StepPlan, StepResult
 from workers.worker import TPWorker
@@ -73,9 +74,7 @@ class RayWorkerGroup:
         self.pg = placement_group([dict(bundle) for _ in range(parallel.tp_size)], strategy=parallel.placement_strategy)
         ray.get(self.pg.ready(), timeout=300)
         actor_cls = ray.remote(TPWorker)
-        # Ray starts its workers at niceness 15, where any process at 0 (the driver, Ray's own) preempts them
-        # mid-step; a rank runs at the driver's priority, as the job supervisor's driver does
-        env = {"OMP_NUM_THREADS": str(parallel.threads()), "RAY_worker_niceness": "0"}
+        env = {"OMP_NUM_THREADS": str(parallel.threads()), **NICE_0_ENV}  # ranks at the driver's priority
         self.actors = [
             actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),

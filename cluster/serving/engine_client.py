@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from cluster.config import Config
+from cluster.engine.ray_env import NICE_0_ENV
 from cluster.engine.request import RequestOutput, RequestParams
 from cluster.serving.engine_loop import EngineDeadError, EngineLoop
 
@@ -30,10 +31,6 @@ POLL_WAIT_S = 1.0  # a poll with nothing to bring returns after this long
 MAX_CONCURRENT_CALLS = 32  # actor threads: the update stream, adds, aborts and metric scrapes
 UNREAD_BATCHES = 4  # the update stream waits once this many batches are unread: the outbox coalesces meanwhile
 SWITCH_INTERVAL_S = 0.001
-# Ray starts its workers at niceness 15: every process at 0 (the HTTP proxy's clients, Ray's own daemons)
-# preempted the engine mid-step, one client's decode steps took 1.26x as long as in a driver at 0. The
-# engine's process runs at 0, as the job supervisor starts a job's driver (the replica stays at 15).
-NICE_0 = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 class EngineActor:
@@ -130,7 +127,7 @@ class EngineClient:
 
         self.tokenizer = tokenizer
         actor_cls = ray.remote(EngineActor).options(num_cpus=0, max_concurrency=MAX_CONCURRENT_CALLS,
-                                                    max_restarts=0, runtime_env=NICE_0)
+                                                    max_restarts=0, runtime_env={"env_vars": NICE_0_ENV})
         self.actor = actor_cls.remote(cfg)
         self.info = ray.get(self.actor.info.remote())  # waits for the model to load (and the startup sweep)
         self.error: BaseException | None = None
