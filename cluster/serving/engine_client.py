@@ -2,11 +2,12 @@
 
 `EngineActor` is a Ray actor holding the Engine and its EngineLoop thread (TP=1 runs its
 rank right there; larger TP sizes start their worker actors from it). `EngineClient`, in
-the HTTP replica, gives each request an asyncio stream of RequestOutput updates. One
-poller task per replica reads the actor's update stream (`EngineActor.updates`, a Ray
-generator: one call for the replica's life): each item holds the updates of every request
-since the last, so the HTTP side never carries one object per token and the model's process
-never waits on the HTTP event loop's interpreter lock. Items come at most every
+the HTTP replica, gives each request an asyncio stream of RequestOutput updates. Requests,
+aborts and updates travel over one TCP connection between the two (cluster/serving/
+channel.py), not as Ray calls; Ray starts the actor, reads its state and stops it. A reader
+task per replica routes the updates: each batch holds the updates of every request since
+the last, so the HTTP side never carries one object per token and the model's process
+never waits on the HTTP event loop's interpreter lock. Batches come at most every
 `serve.stream_interval_ms`, except that a first text or an end comes at once.
 
 Requests are tokenized in the replica; a request whose client goes away is aborted in the
@@ -24,53 +25,39 @@ from typing import AsyncIterator
 from cluster.config import Config
 from cluster.engine.ray_env import NICE_0_ENV
 from cluster.engine.request import RequestOutput, RequestParams
+from cluster.serving.channel import Channel, ChannelServer
 from cluster.serving.engine_loop import EngineDeadError, EngineLoop
 
 log = logging.getLogger("adaspec.engine_client")
-POLL_WAIT_S = 1.0  # a poll with nothing to bring returns after this long
-MAX_CONCURRENT_CALLS = 32  # actor threads: the update stream, adds, aborts and metric scrapes
-UNREAD_BATCHES = 4  # the update stream waits once this many batches are unread: the outbox coalesces meanwhile
+MAX_CONCURRENT_CALLS = 4  # actor threads for Ray's calls: metric scrapes, health, shutdown
 SWITCH_INTERVAL_S = 0.001
 
 
 class EngineActor:
-    """(a Ray actor) The Engine and its stepping thread. Request errors come back as
-    values, so the replica re-raises them exactly (param, Retry-After)."""
+    """(a Ray actor) The Engine, its stepping thread and the channel to the replica.
+    Request errors go back as values, so the replica re-raises them exactly (param,
+    Retry-After)."""
 
     def __init__(self, cfg: Config):
         import sys
 
+        import ray
+
         from cluster.engine.core import Engine
 
-        # Ray's threads here (polls, adds) take the interpreter lock between the loop's steps:
-        # hand it over within 1 ms, not Python's default 5
+        # the channel's threads take the interpreter lock between the loop's steps: hand it over
+        # within 1 ms, not Python's default 5
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.loop = EngineLoop(Engine(cfg), threads=cfg.serve.engine_threads)
+        self.channel = ChannelServer(self.loop, cfg.serve.stream_interval_ms / 1e3, ray.util.get_node_ip_address())
 
     def info(self) -> dict:
+        """The replica's facts: the context length, this process's niceness, and where and
+        how to connect."""
         import os
 
-        return {"max_model_len": self.loop.engine.max_model_len, "niceness": os.getpriority(os.PRIO_PROCESS, 0)}
-
-    def add(self, request_id: str, prompt: list[int], params: RequestParams) -> Exception | None:
-        from cluster.engine.request import RequestError
-
-        try:
-            self.loop.add(request_id, prompt, params)
-        except (RequestError, EngineDeadError) as e:
-            return e
-        return None
-
-    def abort(self, request_id: str) -> int:
-        return self.loop.abort(request_id)
-
-    def updates(self, timeout_s: float, interval_s: float):
-        """(a streaming generator) every poll's updates, for as long as the engine runs; raises
-        EngineDeadError once the loop has stopped and nothing is left to bring."""
-        while True:
-            batch = self.loop.poll(timeout_s, interval_s)
-            if batch:
-                yield batch
+        return {"max_model_len": self.loop.engine.max_model_len, "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+                "address": self.channel.address, "token": self.channel.token}
 
     def state(self):
         from cluster.serving.metrics import engine_state
@@ -82,6 +69,7 @@ class EngineActor:
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        self.channel.close()
         self.loop.engine.shutdown()
 
 
@@ -133,8 +121,11 @@ class EngineClient:
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._counter = itertools.count()
-        self._poller: asyncio.Task | None = None
-        self.poll_interval_s = cfg.serve.stream_interval_ms / 1e3
+        self._call_ids = itertools.count()
+        self._channel: Channel | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._reader: asyncio.Task | None = None
+        self._calls: dict[int, asyncio.Future] = {}  # adds waiting for the engine's answer
 
     @property
     def max_model_len(self) -> int:
@@ -155,14 +146,21 @@ class EngineClient:
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: send token ids", "prompt")
             prompt = self.encode(prompt)
-        self._start_poller()
+        channel = await self._connect()
         stream = RequestStream(f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}", params.n)
-        self._streams[stream.request_id] = stream  # before the add: its first update may be in the next poll
+        self._streams[stream.request_id] = stream  # before the add: its first update may come before the answer
+        call_id = next(self._call_ids)
+        answer = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
-            error = await self.actor.add.remote(stream.request_id, prompt, params)
-        except Exception as e:  # noqa: BLE001 - the actor is gone
+            channel.send(("add", call_id, stream.request_id, prompt, params))
+            error = await answer
+        except BaseException:  # the engine died, or the caller went away (then it may have been added)
             self._streams.pop(stream.request_id, None)
-            raise EngineDeadError(f"the engine actor is gone: {type(e).__name__}: {e}") from None
+            if self.error is None:
+                channel.send(("abort", stream.request_id))
+            raise
+        finally:
+            self._calls.pop(call_id, None)
         if error is not None:
             self._streams.pop(stream.request_id, None)
             raise error
@@ -173,10 +171,10 @@ class EngineClient:
 
     async def abort(self, stream: RequestStream) -> None:
         """Stop a request whose reader went away (a no-op once it finished)."""
-        if self._streams.pop(stream.request_id, None) is not None and not stream.done:
+        if self._streams.pop(stream.request_id, None) is not None and not stream.done and self.error is None:
             try:
-                await self.actor.abort.remote(stream.request_id)
-            except Exception:  # noqa: BLE001 - a dead actor has nothing left to abort
+                self._channel.send(("abort", stream.request_id))
+            except Exception:  # noqa: BLE001 - a closed connection has nothing left to abort
                 log.debug("abort of %s failed", stream.request_id, exc_info=True)
 
     # ------------------------------------------------------------------ state
@@ -191,41 +189,69 @@ class EngineClient:
         return len(self._streams)
 
     def is_alive(self) -> bool:
-        return self.error is None and (self._poller is None or not self._poller.done())
+        return self.error is None and (self._reader is None or not self._reader.done())
 
     def shutdown(self) -> None:
         import ray
 
-        if self._poller is not None:
-            self._poller.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._channel is not None:
+            self._channel.close()
         try:
             ray.get(self.actor.shutdown.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - shutting down: a dead actor is fine
             log.debug("engine actor shutdown failed", exc_info=True)
         ray.kill(self.actor)
 
-    # ------------------------------------------------------------------ the poller
-    def _start_poller(self) -> None:
-        if self._poller is None or self._poller.done() and self.error is None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll())
+    # ------------------------------------------------------------------ the connection
+    async def _connect(self) -> Channel:
+        """The connection to the engine actor, made on the first request (on the replica's
+        event loop), with the task that reads it."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine is not running ({self.error!r})")
+        if self._channel is not None:
+            return self._channel
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._channel is None:
+                try:
+                    channel = await Channel.connect(tuple(self.info["address"]), self.info["token"])
+                except (OSError, asyncio.TimeoutError) as e:
+                    self._stop(EngineDeadError(f"cannot reach the engine actor: {type(e).__name__}: {e}"))
+                    raise self.error from None
+                self._reader = asyncio.get_running_loop().create_task(self._read(channel))
+                self._channel = channel
+        return self._channel
 
-    async def _poll(self) -> None:
-        # One streaming call for the replica's life: a Ray call per poll cost the engine's process
-        # more (one client: 0.96x the tokens per second of this at 20 ms, 0.89x at 5 ms). The actor
-        # holds each batch until stream_interval_ms after the last one, but lets a first text or an
-        # end through at once: a client waits on the one, and sends its next request after the other.
-        method = self.actor.updates.options(num_returns="streaming",
-                                            _generator_backpressure_num_objects=UNREAD_BATCHES)
+    async def _read(self, channel: Channel) -> None:
         try:
-            async for ref in method.remote(POLL_WAIT_S, self.poll_interval_s):
-                self._route(await ref)
-            raise EngineDeadError("the engine's update stream ended")
+            while True:
+                message = await channel.receive()
+                if message[0] == "updates":
+                    self._route(message[1])
+                elif message[0] == "added":
+                    answer = self._calls.get(message[1])
+                    if answer is not None and not answer.done():
+                        answer.set_result(message[2])
+                elif message[0] == "dead":
+                    raise EngineDeadError(message[1])
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the loop or the actor died: fail every stream
             log.error("engine stopped: %s", e)
-            self.error = e
-            self._fail_all(EngineDeadError(f"the engine loop stopped: {type(e).__name__}: {e}"))
+            self._stop(e)
+
+    def _stop(self, error: BaseException) -> None:
+        """Fail every open stream and waiting add; take no more requests."""
+        self.error = error
+        dead = EngineDeadError(f"the engine loop stopped: {type(error).__name__}: {error}")
+        calls, self._calls = list(self._calls.values()), {}
+        for answer in calls:
+            if not answer.done():
+                answer.set_exception(dead)
+        self._fail_all(dead)
 
     def _route(self, updates: list[RequestOutput]) -> None:
         for out in updates:
