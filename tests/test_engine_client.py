@@ -105,21 +105,28 @@ def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_
 
 class _Loop:
     """An EngineLoop stand-in for the channel: adds are recorded (a prompt of [] is refused),
+    and so is how many calls brought them;
     each poll hands out what was queued, and after `die()` polls raise EngineDeadError."""
 
     def __init__(self):
         import queue
 
-        self.added, self.aborted, self.batches, self.dead = [], [], queue.Queue(), False
+        self.added, self.aborted, self.batches, self.dead, self.calls = [], [], queue.Queue(), False, 0
 
-    def add(self, request_id, prompt, params):
+    def add_all(self, requests):
         from cluster.engine.request import RequestError
 
-        if not prompt:
-            raise RequestError("prompt is empty", "prompt")
-        self.added.append(request_id)
-        self.batches.put([RequestOutput(request_id=request_id, sample_index=0, prompt_ids=prompt, token_ids=[7],
-                                        text="x", finished=True, finish_reason="length", new_token_ids=[7])])
+        self.calls += 1
+        errors = []
+        for request_id, prompt, params in requests:
+            if not prompt:
+                errors.append(RequestError("prompt is empty", "prompt"))
+                continue
+            errors.append(None)
+            self.added.append(request_id)
+            self.batches.put([RequestOutput(request_id=request_id, sample_index=0, prompt_ids=prompt, token_ids=[7],
+                                            text="x", finished=True, finish_reason="length", new_token_ids=[7])])
+        return errors
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -141,15 +148,16 @@ class _Loop:
 
 def test_channel_serves_only_the_token_holder_and_carries_adds_errors_updates_and_the_end():
     """The replica's connection to the engine actor: a connection without the token is closed
-    unread; adds are answered (a refused one with its error, param kept), aborts arrive, the
-    loop's updates come as frames, and a dead loop's last frame says so before the end."""
+    unread; adds that arrive together are queued in one call and answered (a refused one with
+    its error, param kept), aborts follow in order, the loop's updates come as frames, and a
+    dead loop's last frame says so before the end."""
     import asyncio
     import socket
 
     import pytest
 
     from cluster.engine.request import RequestError
-    from cluster.serving.channel import Channel, ChannelServer
+    from cluster.serving.channel import Channel, ChannelServer, encode
 
     loop = _Loop()
     server = ChannelServer(loop, 0.0, "127.0.0.1")
@@ -160,16 +168,16 @@ def test_channel_serves_only_the_token_holder_and_carries_adds_errors_updates_an
             intruder.settimeout(5)
             assert intruder.recv(1) == b""  # closed unread
         channel = await Channel.connect(server.address, server.token)
-        channel.send(("add", 0, "r0", [1, 2], None))
-        channel.send(("add", 1, "r1", [], None))
-        channel.send(("abort", "r0"))
+        # a burst: both adds arrive in one read and are queued under one wait for the engine
+        channel.writer.write(encode(("add", 0, "r0", [1, 2], None)) + encode(("add", 1, "r1", [], None))
+                             + encode(("abort", "r0")))
         frames = [await asyncio.wait_for(channel.receive(), 5) for _ in range(3)]
         assert ("added", 0, None) in frames
         refused = next(f for f in frames if f[:2] == ("added", 1))[2]
         assert isinstance(refused, RequestError) and refused.param == "prompt"
         (updates,) = [f[1] for f in frames if f[0] == "updates"]
         assert [(u.request_id, u.token_ids, u.finished) for u in updates] == [("r0", [7], True)]
-        assert loop.added == ["r0"] and loop.aborted == ["r0"]
+        assert loop.added == ["r0"] and loop.aborted == ["r0"] and loop.calls == 1
         loop.dead = True
         assert (await asyncio.wait_for(channel.receive(), 5))[0] == "dead"
         with pytest.raises(ConnectionError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import pickle
 import secrets
@@ -31,6 +32,7 @@ log = logging.getLogger("adaspec.channel")
 HEADER = struct.Struct("!I")  # the frame's length in bytes
 TOKEN_BYTES = 16
 SEND_BUFFER_BYTES = 64 * 1024
+RECV_BYTES = 256 * 1024
 POLL_WAIT_S = 1.0  # a poll with nothing to bring returns after this long (then the sender checks it should go on)
 CONNECT_TIMEOUT_S = 10.0
 
@@ -109,40 +111,43 @@ class ChannelServer:
                 conn.close()
         return None
 
-    def _send(self, message) -> None:
-        data = encode(message)
+    def _send(self, *messages) -> None:
+        data = b"".join(encode(m) for m in messages)
         with self._send_lock:
             self._conn.sendall(data)
 
     def _read_requests(self) -> None:
-        from cluster.engine.request import RequestError
-        from cluster.serving.engine_loop import EngineDeadError
-
-        conn = self._conn
+        conn, buf = self._conn, bytearray()
         try:
             while True:
-                header = _recv_exact(conn, HEADER.size)
-                body = header and _recv_exact(conn, HEADER.unpack(header)[0])
-                if body is None:
+                data = conn.recv(RECV_BYTES)
+                if not data:
                     return  # the replica went away: its streams with it
-                message = pickle.loads(body)
-                if message[0] == "add":
-                    _, call_id, request_id, prompt, params = message
-                    try:
-                        self.loop.add(request_id, prompt, params)
-                        error = None
-                    except (RequestError, EngineDeadError) as e:
-                        error = e
-                    self._send(("added", call_id, error))
-                elif message[0] == "abort":
-                    self.loop.abort(message[1])
-                else:
-                    log.error("unknown frame %r from the replica", message[0])
+                buf += data
+                messages = []
+                while len(buf) >= HEADER.size and len(buf) >= (end := HEADER.size + HEADER.unpack_from(buf)[0]):
+                    messages.append(pickle.loads(buf[HEADER.size:end]))
+                    del buf[:end]
+                self._handle(messages)
         except OSError:
             if not self._closed:
                 log.debug("the replica's connection broke", exc_info=True)
         finally:
             self.close()  # the sender stops too
+
+    def _handle(self, messages: list) -> None:
+        """Adds that arrived together are queued under one wait for the engine, so a burst of
+        requests is prefilled before the next decode step; everything in arrival order."""
+        for kind, group in itertools.groupby(messages, key=lambda m: m[0]):
+            group = list(group)
+            if kind == "add":
+                errors = self.loop.add_all([m[2:] for m in group])
+                self._send(*[("added", m[1], error) for m, error in zip(group, errors)])
+            elif kind == "abort":
+                for m in group:
+                    self.loop.abort(m[1])
+            else:
+                log.error("unknown frame %r from the replica", kind)
 
     def _send_updates(self) -> None:
         from cluster.serving.engine_loop import EngineDeadError

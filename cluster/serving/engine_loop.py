@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from cluster.engine.request import RequestOutput, RequestParams, coalesce
+from cluster.engine.request import RequestError, RequestOutput, RequestParams, coalesce
 
 log = logging.getLogger("adaspec.engine_loop")
 IDLE_WAIT_S = 0.005  # pause when the engine has work but could schedule nothing
@@ -60,6 +60,11 @@ class EngineLoop:
         """Queue a request; raises RequestError for bad input, EngineDeadError when stopped."""
         self.call(self._add, request_id, prompt, params)
 
+    def add_all(self, requests: list[tuple[str, list[int], RequestParams]]) -> list[Exception | None]:
+        """Queue several requests under one wait for the engine; per request None, or the
+        RequestError or EngineDeadError that refused it."""
+        return self.call(self._add_all, requests)
+
     def abort(self, request_id: str) -> int:
         """Drop a request's samples (its client went away); their updates stop."""
         dropped = self.call(self.engine.abort, request_id)
@@ -102,6 +107,16 @@ class EngineLoop:
         if not self.is_alive():
             raise EngineDeadError(f"the engine is not running ({self.error!r})")
         self.engine.add_request(prompt, params, request_id=request_id)
+
+    def _add_all(self, requests) -> list[Exception | None]:
+        errors: list[Exception | None] = []
+        for request_id, prompt, params in requests:
+            try:
+                self._add(request_id, prompt, params)
+                errors.append(None)
+            except (RequestError, EngineDeadError) as e:
+                errors.append(e)
+        return errors
 
     def _ready(self) -> bool:
         return self._stopped or (self._callers == 0 and self.engine.has_work())
