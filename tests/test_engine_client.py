@@ -105,8 +105,8 @@ def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_
 
 class _Loop:
     """An EngineLoop stand-in for the channel: adds are recorded (a prompt of [] is refused),
-    and so is how many calls brought them;
-    each poll hands out what was queued, and after `die()` polls raise EngineDeadError."""
+    and so is how many calls brought them; each poll hands out what was queued, and once
+    `dead` is set polls raise EngineDeadError."""
 
     def __init__(self):
         import queue

@@ -123,7 +123,7 @@ class EngineClient:
         self._counter = itertools.count()
         self._call_ids = itertools.count()
         self._channel: Channel | None = None
-        self._connecting: asyncio.Lock | None = None
+        self._connecting = asyncio.Lock()  # bound to the replica's event loop on first use
         self._reader: asyncio.Task | None = None
         self._calls: dict[int, asyncio.Future] = {}  # adds waiting for the engine's answer
 
@@ -208,12 +208,8 @@ class EngineClient:
     async def _connect(self) -> Channel:
         """The connection to the engine actor, made on the first request (on the replica's
         event loop), with the task that reads it."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine is not running ({self.error!r})")
         if self._channel is not None:
             return self._channel
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
         async with self._connecting:
             if self._channel is None:
                 try:
