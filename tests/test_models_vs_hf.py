@@ -113,3 +113,22 @@ def test_chunked_prefill_matches_transformers(tmp_path, attention_path):
             ours = model.logits(model(torch.tensor(seq[a:b]), batch, caches))
             assert (ours - ref[a:b]).abs().max().item() <= 1e-4, (a, b)
 
+
+
+def _rank_and_sum(tp, values):
+    return tp.rank, tp.all_reduce(torch.tensor(values)).tolist()
+
+
+def test_tp_ranks_start_over_when_their_rendezvous_port_is_taken(monkeypatch):
+    """The TP tests' harness: a port another process took after free_port() found it free
+    makes the ranks start over on a fresh one, instead of waiting out the queue's timeout."""
+    import socket
+
+    from tests import tp_util
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], tp_util.free_port()])
+        monkeypatch.setattr(tp_util, "free_port", lambda: next(ports))
+        assert run_tp(_rank_and_sum, 2, [1.0, 2.0]) == [(0, [2.0, 4.0]), (1, [2.0, 4.0])]
