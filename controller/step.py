@@ -32,6 +32,7 @@ class SpecStep:
                  oracle: np.ndarray | None, k: int):
         self.policy, self.mode, self.probe, self.kv, self.model, self.oracle = policy, mode, probe, kv, model, oracle
         n = len(kv)
+        self.kv_list = kv.tolist() if n <= SMALL else None  # small batches: Python ints
         first = -policy.adaptive_steps % EXPLORE_EVERY
         self.explore = list(range(first, n, EXPLORE_EVERY))  # rows that verify everything drafted (adaptive)
         self.rows: list[int] | None = None
@@ -56,8 +57,11 @@ class SpecStep:
 
     def _set_caps(self, max_keep: np.ndarray) -> None:
         self.max_keep = max_keep  # (n,) drafts each sequence may verify
-        self.kmax = int(max_keep.max(initial=0))
-        self.max_keep_list = max_keep.tolist() if len(max_keep) <= SMALL else None  # small batches: Python ints
+        if len(max_keep) <= SMALL:  # small batches: Python ints
+            self.max_keep_list = max_keep.tolist()
+            self.kmax = max(self.max_keep_list, default=0)
+        else:
+            self.max_keep_list, self.kmax = None, int(max_keep.max(initial=0))
 
     # ------------------------------------------------------------------ budget
     def _budget(self, k: int) -> int:
@@ -67,7 +71,8 @@ class SpecStep:
         (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
         every rank). 0 means a plain decode step. Sets best_m."""
         policy, tm, n = self.policy, self.model, len(self.kv)
-        kv_ms = tm.b2 * float(self.kv.sum())  # one validated token per sequence: context cost of the batch
+        # one validated token per sequence: context cost of the batch
+        kv_ms = tm.b2 * float(sum(self.kv_list) if self.kv_list is not None else self.kv.sum())
         base, terms = policy.budget_terms(tm, n, k, self._draft_step_ms())
         best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
         for m, expected, fixed, verified in terms:
@@ -169,21 +174,21 @@ class SpecStep:
     def _one_row(self):
         """Batch 1's OneRow for this step (SpecPolicy.one_row), made on first use."""
         if self._one is None:
-            self._one = self.policy.one_row(self.model, int(self.kv[0]), self.max_keep_list[0], self.kmax)
+            self._one = self.policy.one_row(self.model, self.kv_list[0], self.max_keep_list[0], self.kmax)
         return self._one
 
     def _costs(self) -> StepCosts:
         """The step's decision costs, computed on first use (a step that drafts nothing never needs them)."""
         if self.costs is None:
             extra = len(self.kv) * self.kmax
-            self.costs = step_costs(self.model, self.kv, extra,
+            self.costs = step_costs(self.model, self.kv if self.kv_list is None else self.kv_list, extra,
                                     self.policy.f_values(self.model, "decide", len(self.kv), extra))
         return self.costs
 
     def _draft_step_ms(self) -> float:
         """The time model's g(n), looked up once per step."""
         if self._g is None:
-            self._g = self.model.draft_step_ms(len(self.kv) if self.rows is None else len(self.rows))
+            self._g = self.policy.draft_step_ms(self.model, len(self.kv) if self.rows is None else len(self.rows))
         return self._g
 
     def _draft_ms(self, steps: int) -> float:

@@ -174,7 +174,7 @@ class ModelRunner:
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps, stats.catchup_tokens = len(ids), draft.steps, draft.catchup_tokens
         stats.draft_seqs = (len(seqs) if draft.rows is None else len(draft.rows)) if draft.steps else 0
-        stats.kv_tokens = int(((keep + 1) * kv).sum())
+        stats.kv_tokens = sum(q * c for q, c in zip(lens, kv.tolist()))
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
         t0 = time.perf_counter()
