@@ -59,8 +59,13 @@ def f_array(tm: TimeModel, n: int, extra: int) -> np.ndarray:
     return np.rint(tm.q_ms_at(np.arange(n, n + extra + 1)) * UNITS_PER_MS).astype(np.int64)
 
 
+def context_unit(tm: TimeModel, kv: int) -> int:
+    """A validated token's context cost, b2 * kv, in time units."""
+    return int(round(tm.b2 * float(kv) * UNITS_PER_MS))
+
+
 def context_units(tm: TimeModel, kv) -> list[int]:
-    return [int(round(tm.b2 * float(x) * UNITS_PER_MS)) for x in kv]
+    return [context_unit(tm, x) for x in kv]
 
 
 class StepCosts(NamedTuple):

@@ -18,11 +18,11 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, draft_units, f_table, step_costs
+from controller.decision import SMALL, context_unit, draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.step import EXPLORE_EVERY, SpecStep
-from controller.time_model import UNITS_PER_MS, TimeModel
+from controller.time_model import TimeModel
 from controller.yields import DraftYields, prior_rates
 
 MODES = ("static", "adaptive", "oracle")
@@ -52,7 +52,7 @@ class SpecPolicy:
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
         self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
-        self._f_cache: dict[tuple, tuple] = {}  # f values a time model gives a batch size (see f_values)
+        self._f_cache: dict[tuple, tuple] = {}  # values a time model gives a batch size (f_values, draft_step_ms)
         self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms); _set_rates empties it
         self._set_rates()
 
@@ -138,7 +138,7 @@ class SpecPolicy:
                               weights if compiled is None else compiled.LogisticWeights(weights), compiled)
             one.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(extra + 2)], rates)
             held = self._one_row = (tm, extra, weights, rates, one, costs.fixed)
-        ctx = int(round(tm.b2 * float(kv) * UNITS_PER_MS))  # context_units(tm, (kv,))[0]
+        ctx = context_unit(tm, kv)
         held[4].restart(ctx, held[5] + ctx, cap)
         return held[4]
 
@@ -146,23 +146,22 @@ class SpecPolicy:
     def f_values(self, tm: TimeModel, use: str, n: int, extra: int):
         """Values of f that steps of one batch size ask again and again, computed once per
         time model (steps repeat a batch size far more often than a model changes)."""
-        key = (use, id(tm), n, extra)
+        def compute():
+            return tm.q_ms_at(n * np.arange(1, extra + 2)).tolist() if use == "budget" else f_table(tm, n, extra)
+
+        return self._per_model(tm, (use, id(tm), n, extra), compute)
+
+    def draft_step_ms(self, tm: TimeModel, n: int) -> float:
+        """tm.draft_step_ms(n), computed once per time model and batch size."""
+        return self._per_model(tm, ("g", id(tm), n), lambda: tm.draft_step_ms(n))
+
+    def _per_model(self, tm: TimeModel, key: tuple, compute):
+        """compute()'s value for `key`, kept while `tm` is the model it was computed for."""
         hit = self._f_cache.get(key)
         if hit is None or hit[0] is not tm:  # (an id can come back for a new model once the old one is gone)
             if len(self._f_cache) > 256:
                 self._f_cache.clear()
-            f = tm.q_ms_at(n * np.arange(1, extra + 2)).tolist() if use == "budget" else f_table(tm, n, extra)
-            hit = self._f_cache[key] = (tm, f)
-        return hit[1]
-
-    def draft_step_ms(self, tm: TimeModel, n: int) -> float:
-        """tm.draft_step_ms(n), computed once per time model and batch size."""
-        key = ("g", id(tm), n)
-        hit = self._f_cache.get(key)
-        if hit is None or hit[0] is not tm:
-            if len(self._f_cache) > 256:
-                self._f_cache.clear()
-            hit = self._f_cache[key] = (tm, tm.draft_step_ms(n))
+            hit = self._f_cache[key] = (tm, compute())
         return hit[1]
 
     def budget_terms(self, tm: TimeModel, n: int, k: int, g: float) -> tuple[float, list[tuple]]:

@@ -114,7 +114,6 @@ def test_chunked_prefill_matches_transformers(tmp_path, attention_path):
             assert (ours - ref[a:b]).abs().max().item() <= 1e-4, (a, b)
 
 
-
 def _rank_and_sum(tp, values):
     return tp.rank, tp.all_reduce(torch.tensor(values)).tolist()
 
