@@ -31,6 +31,8 @@ PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding t
 OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at least this many steps ...
 OBSERVE_ROWS = 256  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 256  # ... but never more steps than this
+COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, every adaptive step probes and
+# its outcomes reach the calibrators at once (a cold start: see begin_step)
 
 
 class SpecPolicy:
@@ -49,6 +51,7 @@ class SpecPolicy:
         self.probes = 0
         self.probe_every = PROBE_EVERY
         self.last_probe = -PROBE_EVERY  # the first adaptive step probes
+        self.cold = True  # fewer than COLD_TRIALS first drafts verified so far (set by every calibration batch)
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
         self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
@@ -99,22 +102,33 @@ class SpecPolicy:
         Probe steps: without them, positions the budget calls hopeless would never be
         drafted, and the estimates could never learn that they are not. A probe drafts one
         position past the budget; the exploration in `keep` verifies it for a rotating share of
-        the sequences. (Drafting all k at a probe was tried: DESIGN.md section 8, probes.)"""
+        the sequences. (Drafting all k at a probe was tried: DESIGN.md section 8, probes.)
+
+        A cold start (the calibrator has verified fewer than COLD_TRIALS first drafts) probes at
+        every adaptive step where drafting could pay were every draft accepted (`could_pay`),
+        and each probe's outcomes reach the calibrators at the end of its step. Started on the prior (every draft accepted half the time), batch 1 stood down,
+        its probes backed off before their outcomes had reached the rates (calibration batches
+        come every 256 steps there), and adaptive-7 verified 1-3 drafts in its first 250 steps
+        where the drafts were accepted 80% of the time."""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
-        probe = False
+        probe = learning = False
+        model = self.model(version)
         if mode == "adaptive":
             self.adaptive_steps += 1
-            probe = self.adaptive_steps - self.last_probe >= self.probe_every
+            learning = self.cold and k > 0 and self.could_pay(model, len(kv), k)
+            probe = learning or self.adaptive_steps - self.last_probe >= self.probe_every
             if probe:
                 self.last_probe, self.probes = self.adaptive_steps, self.probes + 1
-        return SpecStep(self, mode, probe, kv, max_keep, self.model(version), oracle, k)
+        step = SpecStep(self, mode, probe, kv, max_keep, model, oracle, k)
+        step.cold_start = learning
+        return step
 
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray,
                  accepted: np.ndarray) -> None:
         """The step's outcomes (as `observe`), and the probe back-off: the interval doubles while
         probes keep finding that drafting does not pay, and starts over when one finds it does."""
-        if step.probe:
+        if step.probe and not step.cold_start:
             self.probe_every = min(PROBE_MAX_EVERY, self.probe_every * 2) if step.best_m == 0 else PROBE_EVERY
         counted = None
         if step.rows is not None and step.rule_keep is not None:
@@ -164,19 +178,28 @@ class SpecPolicy:
             hit = self._f_cache[key] = (tm, compute())
         return hit[1]
 
-    def budget_terms(self, tm: TimeModel, n: int, k: int, g: float) -> tuple[float, list[tuple]]:
+    def could_pay(self, tm: TimeModel, n: int, k: int) -> bool:
+        """Would drafting beat a plain step for n sequences were every draft verified and
+        accepted (the context's cost left out)? If not, no acceptance rate can make it pay."""
+        base, terms = self.budget_terms(tm, n, k, self.draft_step_ms(tm, n), optimistic=True)
+        scale = 1.0 + self.cfg.adaptive.min_gain
+        return any(expected / fixed > scale / base for _, expected, fixed, _ in terms)
+
+    def budget_terms(self, tm: TimeModel, n: int, k: int, g: float,
+                     optimistic: bool = False) -> tuple[float, list[tuple]]:
         """The draft budget's terms that do not depend on the batch's context (SpecStep._budget),
         computed once per time model, batch size and calibration batch: other + f at m = 0, and
         per m the expected tokens, the time without the context term, and the validated tokens
-        per sequence. The same floats, added in the same order, as computing them each step."""
-        key = (id(tm), n, k, g)
+        per sequence. The same floats, added in the same order, as computing them each step.
+        optimistic: every draft verified and accepted, in place of the observed shares."""
+        key = (id(tm), n, k, g, optimistic)
         hit = self._budget_cache.get(key)
         if hit is not None and hit[0] is tm:
             return hit[1]
         if len(self._budget_cache) > 256:
             self._budget_cache.clear()
         f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        (gain, share), o0, o1, first = self.shares, tm.o0, tm.o1, tm.d_first
+        (gain, share), o0, o1, first = ([1.0] * k,) * 2 if optimistic else self.shares, tm.o0, tm.o1, tm.d_first
         terms, expected, verified = [], 1.0, 1.0
         for m in range(1, k + 1):
             expected += gain[m - 1]
@@ -206,7 +229,8 @@ class SpecPolicy:
             verified, accepted = counted if counted is not None else (verified, accepted)
             self.yields.count_outcomes(verified.tolist() if len(verified) <= SMALL else verified, accepted)
         self._observed += 1
-        if self._observed >= OBSERVE_MAX or (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
+        if (self.cold and top_prob.shape[1]) or self._observed >= OBSERVE_MAX or \
+                (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
             self._flush()
 
     def _flush(self) -> None:
@@ -221,6 +245,7 @@ class SpecPolicy:
         steps = len(self._pending)  # steps that verified something: the evidence fades once per such step
         self._pending, self._observed, self._pending_rows = [], 0, 0
         self.calibrator.update(top, verified, accepted)
+        self.cold = int(self.calibrator.trials[0].sum()) < COLD_TRIALS
         if self.cfg.adaptive.estimator == "top_prob_logistic":
             self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights)
         self._set_rates()

@@ -1,7 +1,8 @@
 """The profile registry: validate and draft timings in, versioned time models out.
 
 Pure bookkeeping (the Ray actor around it lives in cluster/profile_actor.py). It keeps the
-startup sweep's points plus a window of recent online steps, and refits every
+startup sweep's points (rescaled to the machine's speed now: `sweep_speed`) plus a window
+of recent online steps, and refits every
 `refit_every` new samples, or sooner when the recent prediction error grows well past
 the error of the last fit (waiting twice as long each time such a refit does not bring the
 error back down). Samples are kept as columns of numbers (`SampleColumns`), so a
@@ -24,6 +25,9 @@ WINDOW = 4096  # online samples kept for refits
 RECENT = 32  # samples in the "recent error" window
 STEADY_CATCHUP = 16  # catch-up tokens per sequence beyond which a draft time is a one-off
 ERROR_GROWTH = 2.0  # refit early when recent MAPE exceeds this multiple of the fit's MAPE
+SPEED_WINDOW = 512  # the latest online validate steps that say how fast the machine runs now ...
+SPEED_MIN_SAMPLES = RECENT  # ... once there are this many of them
+SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,11 @@ class ProfileRegistry:
                  kind: str = "linear"):
         self.refit_every, self.kind = refit_every, kind
         self.model = initial or TimeModel()
-        self.last_report: FitReport | None = None
-        self._sweep = SampleColumns(sweep)  # the startup sweep, kept in every refit
+        self._sweep = SampleColumns(sweep)  # the startup sweep, kept in every refit (rescaled: sweep_speed)
+        # the initial model's error on the sweep it was fitted to: what drift is measured against from the
+        # first step (with none, the drift refit could not come before the first scheduled one)
+        self.last_report: FitReport | None = self._report_on_sweep(self.model) if initial is not None else None
+        self._sweep_model: TimeModel | None = None  # the sweep's validate times alone, fitted on first use
         self._online = SampleColumns(size=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
@@ -109,7 +116,7 @@ class ProfileRegistry:
 
     def seed(self, samples: list[StepSample]) -> FitReport:
         """Fit the first model from the startup sweep."""
-        self._sweep = SampleColumns(samples)
+        self._sweep, self._sweep_model = SampleColumns(samples), None
         return self.refit()
 
     def add(self, samples: list[StepSample]) -> TimeModel | None:
@@ -135,6 +142,15 @@ class ProfileRegistry:
                 return self.model
         return None
 
+    def _report_on_sweep(self, model: TimeModel) -> FitReport | None:
+        sweep = self._sweep.rows()
+        validated = sweep[sweep[:, Q_TOKENS] > 0]
+        if not len(validated):
+            return None
+        y = validated[:, VALIDATE_MS]
+        err = np.abs(model.q_ms_at(validated[:, Q_TOKENS]) + model.b2 * validated[:, KV_TOKENS] - y)
+        return FitReport(model, float(err.mean()), float((err / np.maximum(y, 1e-6)).mean()), len(y))
+
     def _drifted(self) -> bool:
         fit_mape = self.last_report.mape if self.last_report else float("inf")
         return sum(self.recent_err) / RECENT > ERROR_GROWTH * max(fit_mape, 0.05)  # (np.mean of a deque: 10 us)
@@ -145,9 +161,42 @@ class ProfileRegistry:
         self.since_fit = 0
         return self.model
 
+    def sweep_speed(self) -> float:
+        """How much slower (> 1) or faster the machine runs now than during the startup
+        sweep: the median, over the latest online validate steps, of their time over what
+        the sweep's own fit predicts (1.0 before there are enough of them).
+
+        A refit scales the sweep's validate and draft times by it. Online validate steps
+        come at every step, online draft steps only while drafting pays; without the
+        scale a sweep taken at a slow moment (this 2-core machine ran one 2x slower than
+        another minutes later) kept draft steps looking 2x dearer than the validate steps
+        beside them once online steps had corrected the validate times, and batch 1 stood
+        down, which yields no draft steps to correct them."""
+        sweep, online = self._sweep.rows(), self._online.rows()[-SPEED_WINDOW:]
+        online = online[online[:, Q_TOKENS] > 0]
+        if len(online) < SPEED_MIN_SAMPLES or (sweep[:, Q_TOKENS] > 0).sum() < 3:
+            return 1.0
+        if self._sweep_model is None:
+            validated = sweep[sweep[:, Q_TOKENS] > 0]
+            # the table kind, whatever the registry fits: a line's misfit at one end (the CPU's per-token cost
+            # falls with Q) would read as a change of speed where the steps all fall (batch 1: Q = 1)
+            self._sweep_model = fit(_features(validated), validated[:, VALIDATE_MS], np.array([]), np.array([]), 0,
+                                    "table").model
+        m = self._sweep_model
+        predicted = m.q_ms_at(online[:, Q_TOKENS]) + m.b2 * online[:, KV_TOKENS]
+        speed = float(np.median(online[:, VALIDATE_MS] / np.maximum(predicted, 1e-6)))
+        return min(max(speed, SPEED_LIMITS[0]), SPEED_LIMITS[1])
+
     def _data(self) -> np.ndarray:
+        """The sweep, its times scaled by sweep_speed, then the online window."""
         sweep, online = self._sweep.rows(), self._online.rows()
-        return np.concatenate([sweep, online]) if len(online) else sweep
+        if not len(online):
+            return sweep
+        speed = self.sweep_speed()
+        if speed != 1.0:
+            sweep = sweep.copy()
+            sweep[:, [VALIDATE_MS, DRAFT_MS]] *= speed
+        return np.concatenate([sweep, online])
 
     def refit(self) -> FitReport:
         data = self._data()

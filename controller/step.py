@@ -36,6 +36,7 @@ class SpecStep:
         first = -policy.adaptive_steps % EXPLORE_EVERY
         self.explore = list(range(first, n, EXPLORE_EVERY))  # rows that verify everything drafted (adaptive)
         self.rows: list[int] | None = None
+        self.cold_start = False  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         self.costs: StepCosts | None = None  # adaptive steps: the decision's time terms, on first use
         self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far

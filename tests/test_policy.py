@@ -145,6 +145,48 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     assert policy.probe_every == PROBE_EVERY and _budget(policy, model) == 4
 
 
+def test_a_cold_start_at_batch_1_learns_that_drafting_pays_within_its_first_steps():
+    """Drafts accepted 80% of the time, a time model under which that pays at batch 1 and the
+    prior's 50% does not (the engine's own after a refit). Cold, every step probes and its
+    outcomes reach the rates at once: the budget drafts within the first 100 steps and keeps
+    drafting. Probing on the usual schedule, the rates kept their prior for 256 steps (the
+    calibration batch) while the probes backed off, and the budget stood down throughout."""
+    k, rng = 7, np.random.default_rng(3)
+    policy = _policy(k)
+    model = TimeModel(version=1, b0=0.79, b1=0.06, b2=1.6e-4, d0=0.37, d1=0.053, o0=0.093, o1=0.093)
+    policy.install(model)
+    drafting, cold_probes = [], []
+    for _ in range(200):
+        cold = policy.cold
+        step = policy.begin_step("adaptive", np.array([300]), np.array([k]), 1, k)
+        drafting.append(step.best_m > 0)
+        if cold:
+            cold_probes.append(step.probe)
+        m = step.budget
+        top, margin = np.full((1, m), 0.5), np.full((1, m), 0.3)
+        keep = step.keep(top, top, margin, None) if m else np.zeros(1, dtype=np.int64)
+        accepted = 0
+        while accepted < keep[0] and rng.random() < 0.8:
+            accepted += 1
+        width = int(keep.max())
+        policy.end_step(step, top[:, :width], margin[:, :width], keep, np.array([accepted]))
+    assert not drafting[0]  # the prior: drafting does not pay
+    assert sum(drafting[100:]) >= 95, sum(drafting[100:])
+    assert not policy.cold and abs(policy.next_rates[0] - 0.8) < 0.1
+    assert len(cold_probes) > 2 and all(cold_probes)  # every cold step probed
+
+
+def test_a_cold_start_does_not_probe_where_no_acceptance_could_pay():
+    """A draft step dearer than what a whole step of accepted drafts saves: cold or not, the
+    probes keep their schedule (the first adaptive step, then backing off)."""
+    policy = _policy(4)
+    costly = TimeModel(version=1, b0=5.0, b1=0.1, d0=50.0, d1=0.0)
+    assert not policy.could_pay(costly, 4, 4) and policy.could_pay(TimeModel(b0=5.0, b1=0.1, d0=0.5), 4, 4)
+    for _ in range(200):
+        _budget(policy, costly)
+    assert policy.cold and policy.probes == 3  # steps 1, 33 and 97: the interval doubled
+
+
 @pytest.mark.parametrize("n", [1, 2, 40])  # batch 1's path, the small batches', the arrays'
 def test_early_stop_looks_one_draft_ahead_at_the_observed_rate(n):
     """After one draft the early stop asks whether a second pays. Position 1 is accepted 90%

@@ -73,7 +73,10 @@ def test_refit_reads_the_columns_as_the_samples_say():
                                           other_ms=(i % 5) * 0.1, emitted=i % 6, draft_ms=0.3 + 0.01 * i))
     reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1), sweep=sweep)
     reg.add(online)
-    data = sweep + online
+    speed = reg.sweep_speed()
+    assert 0.9 < speed < 1.1  # the same model throughout; the sweep is rescaled by it all the same
+    data = [dataclasses.replace(s, validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * speed)
+            for s in sweep] + online
     validated = [s for s in data if s.q_tokens > 0]
     steady = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
     timed = [s for s in data if s.other_ms > 0 and s.emitted > 0]
@@ -84,6 +87,27 @@ def test_refit_reads_the_columns_as_the_samples_say():
                    np.array([s.draft_steps for s in steady], dtype=np.float64))
     assert reg.refit() == expected
     assert reg.online == online
+
+
+def test_a_sweep_taken_at_a_slow_moment_is_rescaled_by_the_online_steps():
+    """The sweep ran 2x slow, validate and draft alike; online, only plain steps came (standing
+    down yields no draft steps). A drift refit comes after the first RECENT steps (the initial
+    model's error is measured against its error on the sweep) and rescales the sweep: its draft
+    step is the machine's of now, not twice it. Without the rescale the refit would keep 2x."""
+    rng = np.random.default_rng(7)
+    slow = [dataclasses.replace(s, validate_ms=2 * s.validate_ms, draft_steps=0, draft_ms=0.0)
+            for s in _samples(rng, 40)]
+    slow += [StepSample(n, 0, 0, 0.0, 1, 2 * (0.5 + 0.01 * n)) for n in (1, 4, 16, 64)]
+    first = ProfileRegistry().seed(slow).model  # as the engine starts: the sweep's fit, then a registry on both
+    assert abs(first.draft_step_ms(1) - 2 * 0.51) < 0.05
+    reg = ProfileRegistry(refit_every=256, initial=first, sweep=slow)
+    assert reg.sweep_speed() == 1.0  # no online steps yet
+    plain = [dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 64)]
+    refits = [i for i, s in enumerate(plain, 1) if reg.add([s]) is not None]
+    assert refits and refits[0] == RECENT  # the validate error (about 50%) calls a drift refit
+    assert 0.45 < reg.sweep_speed() < 0.55
+    assert abs(reg.model.draft_step_ms(1) - 0.51) < 0.05 and abs(reg.model.draft_step_ms(64) - 1.14) < 0.1
+    assert abs(reg.model.b0 - 2.0) < 0.3 and abs(reg.model.b1 - 0.05) < 0.01
 
 
 def test_drift_refits_back_off_while_they_do_not_cure_the_error():
