@@ -14,7 +14,49 @@ RATES = [0.5, 2.0]
 REQUESTS = 4
 
 
-def test_bench_serve_smoke(ray_session, tmp_path):
+def _stopped(pid: int, wait_s: float = 2.0) -> bool:
+    """Whether the process is stopped, or stops within wait_s (a SIGSTOP takes effect when the
+    process next runs: on a busy machine, a moment later)."""
+    import time
+
+    give_up = time.monotonic() + wait_s
+    while True:
+        stat = open(f"/proc/{pid}/stat").read()
+        if stat[stat.rfind(")") + 2] in "Tt":
+            return True
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.01)
+
+
+def _watch_stops(monkeypatch) -> list[tuple[str, dict]]:
+    """At every measurement (a Poisson load or closed-loop clients): its URL, and per arm of
+    ours whether all its processes are stopped."""
+    import cluster.bench.clients as clients
+    import cluster.bench.serving as serving
+
+    seen, servers = [], []
+    init = serving.OurServers.__init__
+
+    def kept(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        servers.append(self)
+
+    def watched(load):
+        def run(url, *args, **kwargs):
+            seen.append((url, {t.arm: all(_stopped(p, 2.0 if t.server.paused else 0.0) for p in t.server.pids)
+                               for t in servers[0].targets}))
+            return load(url, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(serving.OurServers, "__init__", kept)
+    monkeypatch.setattr(serving, "run_load", watched(serving.run_load))
+    monkeypatch.setattr(clients, "run_clients", watched(clients.run_clients))
+    return seen
+
+
+def test_bench_serve_smoke(ray_session, tmp_path, monkeypatch):
+    seen = _watch_stops(monkeypatch)
     overrides = list(TEST_SIZING) + [
         "parallel.tp_size=1", "speculative.adaptive.profile_on_start=false", f"bench.serve_arms={json.dumps(ARMS)}",
         f"bench.serve_rates={RATES}", f"bench.serve_requests={REQUESTS}", "bench.max_output_len=8",
@@ -41,6 +83,12 @@ def test_bench_serve_smoke(ray_session, tmp_path):
     report = (tmp_path / "serve.md").read_text()
     assert report.startswith("| arm") and "| offline-nospec | 2 |" in report
     assert (tmp_path / "serve.png").stat().st_size > 10_000
+    # every arm of ours runs while it is measured and is stopped while the others are (after the warm-up)
+    urls = {arm: url for url, _ in seen for arm in ARMS if url.endswith(f"/{arm}")}
+    assert len(seen) > 2 * len(ARMS) and set(urls) == set(ARMS)
+    for url, stopped in seen[len(ARMS):]:
+        assert not any(stopped[arm] for arm in ARMS if urls[arm] == url), url
+        assert all(stopped[arm] for arm in ARMS if urls[arm] != url), (url, stopped)
     static = list(read_trace(tmp_path / "trace.static-3.jsonl"))
     assert static and {line["label"] for line in static} == {"static-3"}
     assert all(line["keep"] == [min(line["draft_steps"], s) for s in line["num_spec"]] for line in static)

@@ -98,6 +98,10 @@ class TPWorker:
     def ping(self) -> int:
         return self.rank
 
+    def pid(self) -> int:
+        """This rank's process (the serving benchmark stops an arm's processes between its measurements)."""
+        return os.getpid()
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -10,8 +10,9 @@ Arms (bench.serve_arms): our server (`adaspec serve`'s Ray Serve app) in each
 configuration, one application per arm under its own route prefix, all started first;
 with bench.vllm_python set, also vLLM's OpenAI server on the same checkpoint
 (bench.serve_vllm_arms). At every rate the arms take turns in an order shuffled (seeded)
-from rate to rate, on the same requests and the same arrival times; after a vLLM arm the
-next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`). `--url` measures one
+from rate to rate, on the same requests and the same arrival times; every arm's processes,
+ours and vLLM's alike, are stopped (SIGSTOP) while the others are measured, and after a
+vLLM arm the next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`). `--url` measures one
 running OpenAI-compatible server instead. Writes serve.json, serve.md and serve.png.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cluster.bench.load import RequestResult, RequestSpec, run_load
-from cluster.bench.vllm_peer import SETTLE_S
+from cluster.bench.vllm_peer import SETTLE_S, PausablePids
 from cluster.entrypoints.common import add_config_args, config_from_args
 from cluster.config import ConfigError
 
@@ -48,7 +49,7 @@ class Target:
     url: str
     model: str | None
     settle_s: float = 0.0  # untimed pause after measuring it (a peer that keeps polling)
-    server: object = None  # a peer server stopped between its measurements (vllm_peer.Pausable)
+    server: object = None  # its processes, stopped between its measurements (vllm_peer.Pausable)
 
 
 def arm_overrides(arm: str) -> list[str]:
@@ -119,7 +120,9 @@ def measure(target: Target, specs: list[RequestSpec], rate: float, seed: int, fr
 
 @contextlib.contextmanager
 def running(target: Target):
-    """A peer server runs only while it is measured (its processes are stopped otherwise)."""
+    """A server runs only while it is measured (its processes are stopped otherwise): an idle
+    arm's wakeups (Serve's health checks and metrics, Ray's core worker threads) would
+    otherwise land on the cores the measured one's kernels run on."""
     if target.server is not None:
         target.server.resume()
     try:
@@ -130,6 +133,7 @@ def running(target: Target):
 
 
 PORT_RANGE = 64  # ports the arms' replicas may take (ports in use are skipped)
+PAUSED_HEALTH_CHECK_TIMEOUT_S = 24 * 3600.0  # a replica stopped while other arms run answers its check later
 
 
 class OurServers:
@@ -155,18 +159,34 @@ class OurServers:
             if trace:
                 t = Path(trace)
                 extra += [f"engine.trace_path={t.with_name(f'{t.stem}.{arm}{t.suffix}')}", f"engine.trace_label={arm}"]
-            serve.run(build_app({"config": config, "overrides": list(overrides) + extra}), name=arm,
+            serve.run(build_app({"config": config, "overrides": list(overrides) + extra},
+                                health_check_timeout_s=PAUSED_HEALTH_CHECK_TIMEOUT_S), name=arm,
                       route_prefix=f"/{arm}", blocking=False)
             url = ingress.app_url(arm, f"/{arm}", f"http://127.0.0.1:{port}")
             self.targets.append(Target(arm, url, served_model_name(cfg)))
+        for t in self.targets:  # each arm's processes, stopped between its measurements (`running`)
+            t.server = PausablePids(_replica_pids(t.arm))
 
     def close(self) -> None:
         import ray
         from ray import serve
 
+        for t in self.targets:
+            t.server.resume()  # a stopped replica would hold up Serve's shutdown
         serve.shutdown()
         if self.started_ray:
             ray.shutdown()
+
+
+def _replica_pids(app: str) -> list[int]:
+    """The processes of an application's replica and its engine. (The direct-ingress settings make
+    handles route on the caller's event loop by default; this one, called without one, routes on
+    its own.)"""
+    from ray import serve
+
+    handle = serve.get_app_handle(app)
+    handle._init(_run_router_in_separate_loop=True)
+    return handle.pids.remote().result()
 
 
 def vllm_servers(cfg, out_dir: Path) -> list:

@@ -26,22 +26,52 @@ SETTLE_S = 0.1
 
 
 class Pausable:
-    """A subprocess started in its own session, so its whole group (vLLM's engine core and
-    workers too) can be stopped between its measurements and continued for them."""
+    """Processes stopped between their measurements and continued for them."""
 
-    proc: subprocess.Popen
     paused = False
 
+    def send(self, sig: int) -> bool:
+        """Send sig to the processes; False when they are gone."""
+        raise NotImplementedError
+
     def pause(self) -> None:
-        if not self.paused and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGSTOP)
+        if not self.paused and self.send(signal.SIGSTOP):
             self.paused = True
 
     def resume(self) -> None:
         if self.paused:
             self.paused = False
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGCONT)
+            self.send(signal.SIGCONT)
+
+
+class PausableSession(Pausable):
+    """A subprocess started in its own session, so its whole group (vLLM's engine core and
+    workers too) is stopped and continued together."""
+
+    proc: subprocess.Popen
+
+    def send(self, sig: int) -> bool:
+        if self.proc.poll() is not None:
+            return False
+        os.killpg(self.proc.pid, sig)
+        return True
+
+
+class PausablePids(Pausable):
+    """Processes by id (our arm's replica, engine actor and ranks)."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = list(pids)
+
+    def send(self, sig: int) -> bool:
+        alive = False
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+                alive = True
+            except ProcessLookupError:
+                pass
+        return alive
 
 
 class PeerError(RuntimeError):
@@ -65,7 +95,7 @@ def vllm_env(python: str, extra: dict) -> dict:
     return env
 
 
-class VLLMPeer(Pausable):
+class VLLMPeer(PausableSession):
     def __init__(self, python: str, model: str, draft: str | None, k: int, max_num_seqs: int, max_model_len: int,
                  log_path: Path, env: dict | None = None):
         if not Path(python).is_file():
@@ -178,7 +208,7 @@ class VLLMArms:
             peer.close()
 
 
-class VLLMServer(Pausable):
+class VLLMServer(PausableSession):
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the same
     checkpoint, plain or with the bundled draft, in a subprocess on a free local port."""
 

@@ -91,6 +91,13 @@ class OpenAIServer:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_routes(self)
 
+    def pids(self) -> list[int]:
+        """This replica's process and its engine's (the serving benchmark stops an arm's
+        processes between its measurements, as it stops vLLM's)."""
+        import os
+
+        return [os.getpid()] + list(self.engine.info["pids"])
+
     async def check_health(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError(f"engine loop stopped: {self.engine.error!r}")
@@ -233,11 +240,12 @@ def build_routes(server: OpenAIServer) -> FastAPI:
     return app
 
 
-def build_app(args: dict | None = None):
-    """Serve's application builder (`import_path: cluster.serving.app:build_app`)."""
+def build_app(args: dict | None = None, **options):
+    """Serve's application builder (`import_path: cluster.serving.app:build_app`); options: more
+    deployment options (the serving benchmark's health-check timeout)."""
     parsed = ServerArgs.from_dict(args)
     cfg = load_config(parsed.config, parsed.overrides)  # fail here, with the key named, not in a replica
     return OpenAIServer.options(
         max_ongoing_requests=cfg.engine.max_num_seqs + cfg.engine.max_waiting,
-        ray_actor_options={"num_cpus": parsed.num_cpus},
+        ray_actor_options={"num_cpus": parsed.num_cpus}, **options,
     ).bind(parsed.config, parsed.overrides)

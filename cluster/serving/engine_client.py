@@ -52,12 +52,16 @@ class EngineActor:
         self.channel = ChannelServer(self.loop, cfg.serve.stream_interval_ms / 1e3, ray.util.get_node_ip_address())
 
     def info(self) -> dict:
-        """The replica's facts: the context length, this process's niceness, and where and
-        how to connect."""
+        """The replica's facts: the context length, this process's niceness, where and how to
+        connect, and the processes that run the model (this one and any rank actors)."""
         import os
 
+        import ray
+
+        actors = self.loop.engine.workers.actors or []
         return {"max_model_len": self.loop.engine.max_model_len, "niceness": os.getpriority(os.PRIO_PROCESS, 0),
-                "address": self.channel.address, "token": self.channel.token}
+                "address": self.channel.address, "token": self.channel.token,
+                "pids": [os.getpid()] + ray.get([a.pid.remote() for a in actors])}
 
     def state(self):
         from cluster.serving.metrics import engine_state
