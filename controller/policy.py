@@ -106,10 +106,11 @@ class SpecPolicy:
 
         A cold start (the calibrator has verified fewer than COLD_TRIALS first drafts) probes at
         every adaptive step where drafting could pay were every draft accepted (`could_pay`),
-        and each probe's outcomes reach the calibrators at the end of its step. Started on the prior (every draft accepted half the time), batch 1 stood down,
-        its probes backed off before their outcomes had reached the rates (calibration batches
-        come every 256 steps there), and adaptive-7 verified 1-3 drafts in its first 250 steps
-        where the drafts were accepted 80% of the time."""
+        and each probe's outcomes reach the calibrators at the end of its step. Started on the
+        prior (every draft accepted half the time), batch 1 stood down, its probes backed off
+        before their outcomes had reached the rates (calibration batches come every 256 steps
+        there), and adaptive-7 verified 1-3 drafts in its first 250 steps where the drafts
+        were accepted 80% of the time."""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = learning = False
