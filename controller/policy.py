@@ -121,9 +121,7 @@ class SpecPolicy:
             probe = learning or self.adaptive_steps - self.last_probe >= self.probe_every
             if probe:
                 self.last_probe, self.probes = self.adaptive_steps, self.probes + 1
-        step = SpecStep(self, mode, probe, kv, max_keep, model, oracle, k)
-        step.cold_start = learning
-        return step
+        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning)
 
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray,
                  accepted: np.ndarray) -> None:

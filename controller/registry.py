@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.time_model import KINDS, FitReport, TimeModel, fit, held_out_mape
+from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape
 
 WINDOW = 4096  # online samples kept for refits
 RECENT = 32  # samples in the "recent error" window
@@ -143,13 +143,13 @@ class ProfileRegistry:
         return None
 
     def _report_on_sweep(self, model: TimeModel) -> FitReport | None:
+        validated = self._sweep_validated()
+        return error_report(model, _features(validated), validated[:, VALIDATE_MS]) if len(validated) else None
+
+    def _sweep_validated(self) -> np.ndarray:
+        """The sweep's validate points (its draft points carry no validation)."""
         sweep = self._sweep.rows()
-        validated = sweep[sweep[:, Q_TOKENS] > 0]
-        if not len(validated):
-            return None
-        y = validated[:, VALIDATE_MS]
-        err = np.abs(model.q_ms_at(validated[:, Q_TOKENS]) + model.b2 * validated[:, KV_TOKENS] - y)
-        return FitReport(model, float(err.mean()), float((err / np.maximum(y, 1e-6)).mean()), len(y))
+        return sweep[sweep[:, Q_TOKENS] > 0]
 
     def _drifted(self) -> bool:
         fit_mape = self.last_report.mape if self.last_report else float("inf")
@@ -172,18 +172,16 @@ class ProfileRegistry:
         another minutes later) kept draft steps looking 2x dearer than the validate steps
         beside them once online steps had corrected the validate times, and batch 1 stood
         down, which yields no draft steps to correct them."""
-        sweep, online = self._sweep.rows(), self._online.rows()[-SPEED_WINDOW:]
+        validated, online = self._sweep_validated(), self._online.rows()[-SPEED_WINDOW:]
         online = online[online[:, Q_TOKENS] > 0]
-        if len(online) < SPEED_MIN_SAMPLES or (sweep[:, Q_TOKENS] > 0).sum() < 3:
+        if len(online) < SPEED_MIN_SAMPLES or len(validated) < 3:
             return 1.0
         if self._sweep_model is None:
-            validated = sweep[sweep[:, Q_TOKENS] > 0]
             # the table kind, whatever the registry fits: a line's misfit at one end (the CPU's per-token cost
             # falls with Q) would read as a change of speed where the steps all fall (batch 1: Q = 1)
             self._sweep_model = fit(_features(validated), validated[:, VALIDATE_MS], np.array([]), np.array([]), 0,
                                     "table").model
-        m = self._sweep_model
-        predicted = m.q_ms_at(online[:, Q_TOKENS]) + m.b2 * online[:, KV_TOKENS]
+        predicted = self._sweep_model.validate_ms_at(online[:, Q_TOKENS], online[:, KV_TOKENS])
         speed = float(np.median(online[:, VALIDATE_MS] / np.maximum(predicted, 1e-6)))
         return min(max(speed, SPEED_LIMITS[0]), SPEED_LIMITS[1])
 

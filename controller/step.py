@@ -29,14 +29,14 @@ class SpecStep:
     on every position since they last drafted, for drafts nobody verifies); None: every one."""
 
     def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
-                 oracle: np.ndarray | None, k: int):
+                 oracle: np.ndarray | None, k: int, cold_start: bool = False):
         self.policy, self.mode, self.probe, self.kv, self.model, self.oracle = policy, mode, probe, kv, model, oracle
+        self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         n = len(kv)
         self.kv_list = kv.tolist() if n <= SMALL else None  # small batches: Python ints
         first = -policy.adaptive_steps % EXPLORE_EVERY
         self.explore = list(range(first, n, EXPLORE_EVERY))  # rows that verify everything drafted (adaptive)
         self.rows: list[int] | None = None
-        self.cold_start = False  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         self.costs: StepCosts | None = None  # adaptive steps: the decision's time terms, on first use
         self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far

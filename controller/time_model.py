@@ -73,6 +73,10 @@ class TimeModel:
             return (self.b0 + self.b1 * float(q_tokens)) + self.b2 * kv_tokens
         return float(self.q_ms_at(q_tokens)) + self.b2 * kv_tokens
 
+    def validate_ms_at(self, q_tokens: np.ndarray, kv_tokens: np.ndarray) -> np.ndarray:
+        """validate_ms_from for arrays of steps' summed features."""
+        return self.q_ms_at(q_tokens) + self.b2 * np.asarray(kv_tokens, dtype=np.float64)
+
     def other_ms(self, emitted: float) -> float:
         return self.o0 + self.o1 * emitted
 
@@ -180,14 +184,16 @@ def _fit_validate(rows, validate_ms, version: int, kind: str) -> FitReport:
         b, kept = robust_nonneg_lstsq(np.column_stack([ramps(rows[:, 1], knots), rows[:, 2]]), validate_ms)
         table = dict(q_knots=tuple(knots), q_ms=tuple(knot_values(b[:-1], knots)), b2=float(b[-1]))
         model = TimeModel(version, **table)
-        pred = model.q_ms_at(rows[kept, 1]) + model.b2 * rows[kept, 2]
     else:
         b, kept = robust_nonneg_lstsq(rows, validate_ms)
         model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]))
-        pred = rows[kept] @ b
-    err = np.abs(pred - validate_ms[kept])
-    return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms[kept], 1e-6)).mean()),
-                     int(kept.sum()))
+    return error_report(model, rows[kept], validate_ms[kept])
+
+
+def error_report(model: TimeModel, rows: np.ndarray, validate_ms: np.ndarray) -> FitReport:
+    """model's MAE and MAPE on validate steps; rows: their features [1, Q, sum q*kv]."""
+    err = np.abs(model.validate_ms_at(rows[:, 1], rows[:, 2]) - validate_ms)
+    return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms, 1e-6)).mean()), len(validate_ms))
 
 
 def _fit_draft(model: TimeModel, n: np.ndarray, ms: np.ndarray, steps: np.ndarray | None, kind: str) -> TimeModel:
@@ -243,5 +249,4 @@ def held_out_mape(rows: np.ndarray, validate_ms: np.ndarray, kind: str) -> float
     if train.sum() < 4 or (~train).sum() < 1:
         return float("nan")
     m = fit(rows[train], validate_ms[train], np.array([]), np.array([]), 0, kind).model
-    pred = m.q_ms_at(rows[~train, 1]) + m.b2 * rows[~train, 2]
-    return float(np.mean(np.abs(pred - validate_ms[~train]) / np.maximum(validate_ms[~train], 1e-6)))
+    return error_report(m, rows[~train], validate_ms[~train]).mape

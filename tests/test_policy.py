@@ -176,6 +176,26 @@ def test_a_cold_start_at_batch_1_learns_that_drafting_pays_within_its_first_step
     assert len(cold_probes) > 2 and all(cold_probes)  # every cold step probed
 
 
+def test_cold_probes_do_not_back_off_the_probe_schedule():
+    """Drafts accepted 20% of the time, where drafting could pay only if most were: the cold
+    probes (one a step) all find nothing worth drafting, yet the schedule the warm controller
+    starts from is still a probe every PROBE_EVERY steps, not one backed off per cold step."""
+    k, rng = 4, np.random.default_rng(5)
+    policy = _policy(k)
+    policy.install(TimeModel(version=1, b0=0.79, b1=0.06, b2=1.6e-4, d0=0.37, d1=0.053, o0=0.093, o1=0.093))
+    cold_steps = 0
+    while policy.cold:
+        step = policy.begin_step("adaptive", np.array([300]), np.array([k]), 1, k)
+        assert step.probe and step.best_m == 0
+        m = step.budget
+        top, margin = np.full((1, m), 0.5), np.full((1, m), 0.3)
+        keep = step.keep(top, top, margin, None)
+        accepted = int(keep[0] > 0 and rng.random() < 0.2)
+        policy.end_step(step, top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.array([accepted]))
+        cold_steps += 1
+    assert cold_steps >= 32 and policy.probe_every == PROBE_EVERY
+
+
 def test_a_cold_start_does_not_probe_where_no_acceptance_could_pay():
     """A draft step dearer than what a whole step of accepted drafts saves: cold or not, the
     probes keep their schedule (the first adaptive step, then backing off)."""
