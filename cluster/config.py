@@ -88,7 +88,7 @@ class BenchConfig:
     serve_arms: list = field(default_factory=lambda: ["nospec", "static-3", "static-5", "static-7", "adaptive-7"])
     serve_vllm_arms: list = field(default_factory=lambda: ["vllm-nospec", "vllm-draft-3"])
     serve_clients: list = field(default_factory=lambda: [1, 16, 64])  # closed-loop points, after the rates
-    serve_client_rounds: int = 3  # interleaved rounds per closed-loop point (medians; ratios round by round)
+    serve_client_rounds: int = 5  # interleaved rounds per closed-loop point (medians; ratios round by round)
 
 
 @dataclass

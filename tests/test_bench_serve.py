@@ -113,6 +113,29 @@ def test_merge_rounds_takes_medians_and_ratios_round_by_round():
     assert round_ratio(merged, ref) == (2.0, 0.5, 2.0)
 
 
+def test_round_order_keeps_the_reference_arms_back_to_back_and_shuffles_the_rest():
+    import random
+    from types import SimpleNamespace
+
+    from cluster.bench.clients import ANCHORS, round_order
+
+    arms = ["static-3", "nospec", "adaptive-7", "vllm-draft-3", "offline-nospec", "static-7", "vllm-nospec"]
+    runners = [SimpleNamespace(arm=a) for a in arms]
+    rng, orders = random.Random(0), set()
+    for _ in range(200):
+        order = [r.arm for r in round_order(runners, rng)]
+        assert sorted(order) == sorted(arms)  # every runner once
+        at = sorted(order.index(a) for a in ANCHORS)
+        assert at == list(range(at[0], at[0] + len(ANCHORS)))  # back to back
+        orders.add(tuple(order))
+    starts = {o.index(next(a for a in o if a in ANCHORS)) for o in orders}
+    assert len(orders) > 100 and starts == set(range(len(arms) - len(ANCHORS) + 1))  # shuffled, placed anywhere
+    # without a vLLM peer the two of ours still pair up
+    two = round_order([SimpleNamespace(arm=a) for a in ("static-3", "offline-nospec", "adaptive-7", "nospec")], rng)
+    names = [r.arm for r in two]
+    assert abs(names.index("nospec") - names.index("offline-nospec")) == 1
+
+
 def test_serve_arm_names():
     assert arm_overrides("adaptive-7")[-2:] == ["speculative.num_speculative_tokens=7",
                                                 "speculative.adaptive.enabled=true"]

@@ -2,7 +2,8 @@
 request when its last one finished, against every server arm; and the same requests run
 offline through an in-process Engine with as many in flight (`offline-nospec`), the
 bound a server of this engine could reach, so a served arm's cost shows as a ratio. Each
-point is measured in bench.serve_client_rounds interleaved rounds (`merge_rounds`)."""
+point is measured in bench.serve_client_rounds interleaved rounds (`merge_rounds`), the arms
+that ratios are taken against back to back in each (`round_order`)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,24 @@ import numpy as np
 from cluster.bench.load import RequestResult, RequestSpec, run_clients
 
 OFFLINE_ARM = "offline-nospec"
+
+
+# the arms every ratio of the closed-loop table is taken against: measured back to back in a round
+ANCHORS = ("nospec", OFFLINE_ARM, "vllm-nospec")
+
+
+def round_order(runners: list, rng) -> list:
+    """One round's order of the runners (anything with an `arm`): shuffled, except that the
+    anchors (ANCHORS present) run back to back, in a shuffled order, at a shuffled place.
+    This machine's speed drifts by 10-30% within a minute; with eight arms of 12-15 s each at
+    one client, nospec and offline-nospec had stood up to 90 s apart in a round, and the
+    per-round ratio of the two ranged 0.79-1.00 in one run."""
+    anchors = [r for r in runners if r.arm in ANCHORS]
+    others = [r for r in runners if r.arm not in ANCHORS]
+    rng.shuffle(anchors)
+    rng.shuffle(others)
+    at = rng.randrange(len(others) + 1)
+    return others[:at] + anchors + others[at:]
 
 
 def measure_clients(target, specs: list[RequestSpec], clients: int) -> dict:

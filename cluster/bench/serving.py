@@ -271,9 +271,10 @@ def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Tar
                 offline: bool, rng: random.Random) -> tuple[list[dict], list[dict]]:
     """bench.serve_clients points for every arm, plus (with our servers) the offline engine
     on the same requests: bench.serve_client_rounds rounds per client count, every runner
-    once per round in an order shuffled per round, so a ratio can be taken round by round.
+    once per round in an order shuffled per round (the reference arms back to back:
+    clients.round_order), so a ratio can be taken round by round.
     Returns the points merged over rounds (clients.merge_rounds) and every round's point."""
-    from cluster.bench.clients import OfflineClients, measure_clients, merge_rounds
+    from cluster.bench.clients import OfflineClients, measure_clients, merge_rounds, round_order
     from cluster.config import load_config
 
     if not cfg.bench.serve_clients:
@@ -287,7 +288,7 @@ def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Tar
                    mininterval=2)
         for clients in cfg.bench.serve_clients:
             for _ in range(cfg.bench.serve_client_rounds):
-                for r in rng.sample(runners, len(runners)):
+                for r in round_order(runners, rng):
                     got = r.measure(specs, clients) if isinstance(r, OfflineClients) else \
                         measure_clients(r, specs, clients)
                     rounds.setdefault((r.arm, clients), []).append(got)
