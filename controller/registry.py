@@ -28,6 +28,7 @@ ERROR_GROWTH = 2.0  # refit early when recent MAPE exceeds this multiple of the 
 SPEED_WINDOW = 512  # the latest online validate steps that say how fast the machine runs now ...
 SPEED_MIN_SAMPLES = RECENT  # ... once there are this many of them
 SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
+DRAFT_MIN_SAMPLES = 16  # steady online draft steps that say how much dearer the draft runs in the engine
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ class ProfileRegistry:
         # the initial model's error on the sweep it was fitted to: what drift is measured against from the
         # first step (with none, the drift refit could not come before the first scheduled one)
         self.last_report: FitReport | None = self._report_on_sweep(self.model) if initial is not None else None
-        self._sweep_model: TimeModel | None = None  # the sweep's validate times alone, fitted on first use
+        self._sweep_model: TimeModel | None = None  # the sweep's own fit (table kind), made on first use
+        self._draft_overhead = 1.0  # the draft's in-engine time over the sweep's, last measured (draft_overhead)
         self._online = SampleColumns(size=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
@@ -176,24 +178,59 @@ class ProfileRegistry:
         online = online[online[:, Q_TOKENS] > 0]
         if len(online) < SPEED_MIN_SAMPLES or len(validated) < 3:
             return 1.0
-        if self._sweep_model is None:
-            # the table kind, whatever the registry fits: a line's misfit at one end (the CPU's per-token cost
-            # falls with Q) would read as a change of speed where the steps all fall (batch 1: Q = 1)
-            self._sweep_model = fit(_features(validated), validated[:, VALIDATE_MS], np.array([]), np.array([]), 0,
-                                    "table").model
-        predicted = self._sweep_model.validate_ms_at(online[:, Q_TOKENS], online[:, KV_TOKENS])
+        predicted = self._sweep_fit().validate_ms_at(online[:, Q_TOKENS], online[:, KV_TOKENS])
         speed = float(np.median(online[:, VALIDATE_MS] / np.maximum(predicted, 1e-6)))
         return min(max(speed, SPEED_LIMITS[0]), SPEED_LIMITS[1])
 
+    def draft_overhead(self, speed: float) -> float:
+        """How much dearer (> 1) the draft runs between the target's forwards than the sweep,
+        which timed it on its own with its weights in cache, beyond the machine's speed
+        (`speed`, sweep_speed's): the median, over the latest steady online draft steps, of
+        their time over the sweep's own fit's, divided by speed. Measured whenever the window
+        holds DRAFT_MIN_SAMPLES such steps, and remembered: the budget stops drafting where
+        drafting does not pay, the window then fills with plain steps, and a sweep no longer
+        corrected by online draft steps (about 1.35x too cheap here at batch 1 and 8) had made
+        the budget draft again: batch 8 switched between standing down and drafting as
+        refits came."""
+        drafted = self._steady_drafts(self._online.rows())[-SPEED_WINDOW:]
+        sweep = self._steady_drafts(self._sweep.rows())
+        if len(drafted) >= DRAFT_MIN_SAMPLES and len(sweep) >= 2:
+            predicted = [self._sweep_fit().draft_ms(int(n), int(m)) for n, m in
+                         zip(_drafting(drafted), drafted[:, DRAFT_STEPS])]
+            ratio = float(np.median(drafted[:, DRAFT_MS] / np.maximum(predicted, 1e-6))) / speed
+            self._draft_overhead = min(max(ratio, SPEED_LIMITS[0]), SPEED_LIMITS[1])
+        return self._draft_overhead
+
+    def _sweep_fit(self) -> TimeModel:
+        """The sweep's own times fitted, validate and draft (what sweep_speed and draft_overhead
+        compare online steps against): the table kind, whatever the registry fits, as a line's
+        misfit at one end (the CPU's per-token cost falls with Q) would read as a change of speed
+        where the steps all fall (batch 1: Q = 1)."""
+        if self._sweep_model is None:
+            validated, drafted = self._sweep_validated(), self._steady_drafts(self._sweep.rows())
+            self._sweep_model = fit(_features(validated), validated[:, VALIDATE_MS], _drafting(drafted),
+                                    drafted[:, DRAFT_MS], 0, "table", None, drafted[:, DRAFT_STEPS]).model
+        return self._sweep_model
+
+    @staticmethod
+    def _steady_drafts(rows: np.ndarray) -> np.ndarray:
+        """Rows that drafted without a one-off catch-up: a step that first caught up on a prompt
+        or on the tokens of steps that drafted nothing paid what the budget must not expect at
+        every step."""
+        return rows[(rows[:, DRAFT_STEPS] > 0) & (rows[:, CATCHUP_TOKENS] <= STEADY_CATCHUP * _drafting(rows))]
+
     def _data(self) -> np.ndarray:
-        """The sweep, its times scaled by sweep_speed, then the online window."""
+        """The sweep, its times scaled by sweep_speed (draft times also by draft_overhead), then
+        the online window."""
         sweep, online = self._sweep.rows(), self._online.rows()
         if not len(online):
             return sweep
         speed = self.sweep_speed()
-        if speed != 1.0:
+        overhead = self.draft_overhead(speed)
+        if speed != 1.0 or overhead != 1.0:
             sweep = sweep.copy()
-            sweep[:, [VALIDATE_MS, DRAFT_MS]] *= speed
+            sweep[:, VALIDATE_MS] *= speed
+            sweep[:, DRAFT_MS] *= speed * overhead
         return np.concatenate([sweep, online])
 
     def refit(self) -> FitReport:
@@ -204,14 +241,11 @@ class ProfileRegistry:
             self.since_fit = 0
             return FitReport(self.model, float("nan"), float("nan"), len(validated))
         rows = _features(validated)
-        # the draft cost of steady drafting: a step that first caught up on a prompt or on the tokens
-        # of steps that drafted nothing paid a one-off the budget must not expect at every step
-        drafting = np.where(data[:, DRAFT_SEQS] > 0, data[:, DRAFT_SEQS], data[:, NUM_SEQS])
-        drafted = (data[:, DRAFT_STEPS] > 0) & (data[:, CATCHUP_TOKENS] <= STEADY_CATCHUP * drafting)
+        drafted = self._steady_drafts(data)  # the draft cost of steady drafting
         timed = (data[:, OTHER_MS] > 0) & (data[:, EMITTED] > 0)
         other = (data[timed, EMITTED], data[timed, OTHER_MS])
-        report = fit(rows, validated[:, VALIDATE_MS], drafting[drafted], data[drafted, DRAFT_MS],
-                     self.model.version + 1, self.kind, other, data[drafted, DRAFT_STEPS])
+        report = fit(rows, validated[:, VALIDATE_MS], _drafting(drafted), drafted[:, DRAFT_MS],
+                     self.model.version + 1, self.kind, other, drafted[:, DRAFT_STEPS])
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()
         return report
@@ -222,6 +256,11 @@ class ProfileRegistry:
         data = self._data()
         validated = data[data[:, Q_TOKENS] > 0]
         return {kind: held_out_mape(_features(validated), validated[:, VALIDATE_MS], kind) for kind in KINDS}
+
+
+def _drafting(rows: np.ndarray) -> np.ndarray:
+    """StepSample.drafting of each row: the sequences its draft time is for."""
+    return np.where(rows[:, DRAFT_SEQS] > 0, rows[:, DRAFT_SEQS], rows[:, NUM_SEQS])
 
 
 def _features(validated: np.ndarray) -> np.ndarray:

@@ -22,9 +22,9 @@ class StubRanks:
         self.calls += 1
         return 2.0 + 0.1 * n * q + 1e-4 * n * q * ctx
 
-    def draft_step_ms(self, n: int, ctx: int, runs: int) -> float:
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
         self.calls += 1
-        return 0.5 + 0.01 * n
+        return 0.3 + steps * (0.5 + 0.01 * n)
 
 
 def _cfg(tmp_path, *overrides):
@@ -48,6 +48,8 @@ def test_a_matching_cache_is_reused_and_a_stale_one_swept_again(tmp_path, caplog
     model, samples = sweep.load_or_sweep(ranks, _cfg(tmp_path), progress=False)
     swept = ranks.calls
     assert swept == len(samples) > 0 and abs(model.b1 - 0.1) < 1e-6 and abs(model.b2 - 1e-4) < 1e-9
+    # the draft points time one and k positions: the first position's extra is told apart from the rest
+    assert abs(model.d_first - 0.3) < 0.02 and abs(model.draft_step_ms(16) - 0.66) < 0.02
     again, _ = sweep.load_or_sweep(ranks, _cfg(tmp_path), progress=False)
     assert ranks.calls == swept and again == model  # reused: no probe ran
     with caplog.at_level(logging.WARNING, logger="adaspec.sweep"):

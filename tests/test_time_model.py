@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from controller.registry import RECENT, STEADY_CATCHUP, ProfileRegistry, SampleColumns, StepSample
+from controller.registry import RECENT, STEADY_CATCHUP, WINDOW, ProfileRegistry, SampleColumns, StepSample
 from controller.time_model import TimeModel, fit
 
 
@@ -75,7 +75,9 @@ def test_refit_reads_the_columns_as_the_samples_say():
     reg.add(online)
     speed = reg.sweep_speed()
     assert 0.9 < speed < 1.1  # the same model throughout; the sweep is rescaled by it all the same
-    data = [dataclasses.replace(s, validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * speed)
+    overhead = reg.draft_overhead(speed)  # online draft times over the sweep's, beyond speed
+    assert overhead != 1.0
+    data = [dataclasses.replace(s, validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * speed * overhead)
             for s in sweep] + online
     validated = [s for s in data if s.q_tokens > 0]
     steady = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
@@ -204,26 +206,42 @@ def test_the_rest_of_a_step_is_fitted_from_online_steps():
     assert abs(m.other_ms(1) - 0.45) < 0.01 and abs(m.other_ms(64) - 9.9) < 0.05
 
 
-def test_the_first_draft_step_is_told_apart_once_steps_draft_more_than_once():
-    """A step's first draft step also catches the draft up on the accepted tokens: draft
-    time is d_first + m g(n). The sweep drafts once (0.5 + 0.01 n: d_first cannot be told
-    apart, 0); online steps drafting 1..5 times separate it, for both kinds."""
+def _draft_law(n, m, scale=1.0):
+    """A step's first draft position also catches the draft up on the accepted tokens."""
+    return scale * (0.25 + m * (0.25 + 0.01 * n))
+
+
+def test_the_first_draft_step_is_told_apart_and_the_engine_s_draft_cost_outlives_the_window():
+    """Draft time is d_first + m g(n). The sweep times one and k positions on their own, with
+    the draft's weights in cache: 1.4x cheaper than online steps, which draft between the
+    target's forwards, measure. Online steps drafting 1..5 times correct the model; then only
+    plain steps come (the budget stood down) until the draft steps have left the window, and
+    the model keeps the engine's draft cost (the overhead is remembered), for both kinds.
+    Without it the refit went back to the sweep's 1.4x too cheap draft, and batch 8 drafted
+    again."""
     rng = np.random.default_rng(3)
-    sweep = _samples(rng, 30)
+    sweep = [dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)]
+    sweep += [StepSample(n, 0, 0, 0.0, m, _draft_law(n, m, 1 / 1.4), catchup_tokens=2 * n)
+              for n in (1, 4, 16, 32) for m in (1, 5)]
     for kind in ("linear", "table"):
         reg = ProfileRegistry(refit_every=1000, initial=TimeModel(version=1), kind=kind)
         reg.seed(sweep)
-        assert reg.model.d_first == 0.0
+        assert abs(reg.model.draft_ms(8, 3) - _draft_law(8, 3, 1 / 1.4)) < 0.05, kind
         online = []
         for s in _samples(rng, 200):
             m = int(rng.integers(1, 6))
             online.append(StepSample(s.num_seqs, s.q_tokens, s.kv_tokens, s.validate_ms, m,
-                                     0.25 + m * (0.25 + 0.01 * s.num_seqs), 0.3, s.num_seqs))
+                                     _draft_law(s.num_seqs, m), 0.3, s.num_seqs))
         reg.add(online)
         model = reg.refit().model
         assert abs(model.d_first - 0.25) < 0.03, kind
-        assert abs(model.draft_ms(8, 3) - (0.25 + 3 * 0.33)) < 0.05, kind
+        assert abs(model.draft_ms(8, 3) - _draft_law(8, 3)) < 0.05, kind
         assert model.draft_ms(8, 0) == 0.0
+        reg.add([dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, WINDOW)])
+        assert not any(s.draft_steps for s in reg.online)
+        model = reg.refit().model
+        assert abs(reg.draft_overhead(reg.sweep_speed()) - 1.4) < 0.05, kind
+        assert abs(model.draft_ms(8, 3) - _draft_law(8, 3)) < 0.05, kind
 
 
 def test_a_draft_that_first_caught_up_on_a_prompt_is_not_its_steady_cost():

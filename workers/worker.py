@@ -78,11 +78,11 @@ class TPWorker:
 
         return timing.validate_ms(self.runner, n, q, ctx, runs)
 
-    def draft_step_ms(self, n: int, ctx: int, runs: int) -> float:
-        """Time one draft step for the startup sweep (every rank runs it together)."""
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
+        """Time a decode step's `steps` draft positions for the startup sweep (every rank runs it together)."""
         from workers import timing
 
-        return timing.draft_step_ms(self.runner, n, ctx, runs)
+        return timing.draft_ms(self.runner, n, ctx, steps, runs)
 
     def install_time_model(self, model: TimeModel) -> int:
         """A refit from the profile registry; the acknowledgement is the version."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.engine.trace import read_trace
 from controller.estimators import Calibrator, LogisticCalibrator, outcomes
 
 ESTIMATORS = ("top_prob", "top_prob_calibrated", "top_prob_logistic")
@@ -29,8 +30,7 @@ ESTIMATORS = ("top_prob", "top_prob_calibrated", "top_prob_logistic")
 def replay(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per estimator: (estimates, outcomes) of every verified draft, in trace order."""
     steps = []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_trace(path):
         if r["label"] != "reference" and r["draft_steps"] > 0 and any(r["keep"]):
             steps.append(r)
     if not steps:

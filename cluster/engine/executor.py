@@ -25,8 +25,8 @@ class WorkerGroup(Protocol):
     def validate_ms(self, n: int, q: int, ctx: int, runs: int) -> float:
         """Time a validate forward of n sequences x q tokens at context ctx (all ranks at once; rank 0's clock)."""
 
-    def draft_step_ms(self, n: int, ctx: int, runs: int) -> float:
-        """Time one draft step of n sequences (all ranks at once; rank 0's clock)."""
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
+        """Time a decode step's `steps` draft positions for n sequences (all ranks at once; rank 0's clock)."""
 
     def shutdown(self) -> None: ...
 
@@ -51,8 +51,8 @@ class LocalWorkerGroup:
     def validate_ms(self, n: int, q: int, ctx: int, runs: int) -> float:
         return self.worker.validate_ms(n, q, ctx, runs)
 
-    def draft_step_ms(self, n: int, ctx: int, runs: int) -> float:
-        return self.worker.draft_step_ms(n, ctx, runs)
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
+        return self.worker.draft_ms(n, ctx, steps, runs)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -113,10 +113,10 @@ class RayWorkerGroup:
 
         return ray.get([w.validate_ms.remote(n, q, ctx, runs) for w in self.actors])[0]
 
-    def draft_step_ms(self, n: int, ctx: int, runs: int) -> float:
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
         import ray
 
-        return ray.get([w.draft_step_ms.remote(n, ctx, runs) for w in self.actors])[0]
+        return ray.get([w.draft_ms.remote(n, ctx, steps, runs) for w in self.actors])[0]
 
     def shutdown(self) -> None:
         import ray

@@ -2,7 +2,8 @@
 validate-time model, and cached on disk.
 
 The grid times validate forwards over (sequences, q per sequence 1..k+1, context length)
-and draft steps over the number of sequences. A cache file is found by the checkpoints,
+and a decode step's draft positions (one and k of them, after a catch-up of SWEEP_CATCHUP
+tokens per sequence) over sequences and context length. A cache file is found by the checkpoints,
 the TP size and the device; it stores everything its timings depend on (`identity`), and a
 file whose identity differs from this run's is swept again, with a log line naming what
 changed. A stale file can never drive the decisions silently.
@@ -22,12 +23,13 @@ from cluster.config import Config
 from cluster.engine.executor import WorkerGroup
 from controller.registry import ProfileRegistry, StepSample
 from controller.time_model import FitReport, TimeModel
+from workers.timing import SWEEP_CATCHUP
 
 log = logging.getLogger("adaspec.sweep")
 GRID_SEQS_STEP = 4  # sequences: 1, 4, 16, ... up to engine.max_num_seqs (which is swept too)
 GRID_CTX = (64, 384)
 RUNS = 5
-CACHE_FORMAT = 4  # the file's layout and the grid's shape
+CACHE_FORMAT = 5  # the file's layout and the grid's shape
 CODE_PACKAGES = ("models", "workers")  # the code whose speed the timings measure
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,9 +111,12 @@ def sweep(workers: WorkerGroup, cfg: Config, progress: bool = True) -> list[Step
     for n, q, ctx in tqdm(points, desc="sweep validate", disable=not progress, mininterval=2):
         samples.append(StepSample(n, n * q, n * q * ctx, workers.validate_ms(n, q, ctx, RUNS), 0, 0.0))
     if cfg.speculative.enabled:
-        for n in tqdm(seqs, desc="sweep draft", disable=not progress, mininterval=2):
-            if n * (GRID_CTX[0] + 2 + cfg.cache.block_size) <= budget:
-                samples.append(StepSample(n, 0, 0, 0.0, 1, workers.draft_step_ms(n, GRID_CTX[0], RUNS)))
+        # one draft position and k of them: the first's extra (the catch-up) and the step after it
+        drafts = [(n, ctx, m) for n in seqs for ctx in GRID_CTX for m in sorted({1, max(k, 1)})
+                  if n * (ctx + m + 1 + cfg.cache.block_size) <= budget]
+        for n, ctx, m in tqdm(drafts, desc="sweep draft", disable=not progress, mininterval=2):
+            samples.append(StepSample(n, 0, 0, 0.0, m, workers.draft_ms(n, ctx, m, RUNS),
+                                      catchup_tokens=n * SWEEP_CATCHUP))
     return samples
 
 

@@ -29,10 +29,11 @@ A line (n sequences in the step, m draft positions drafted, m <= k):
     accepted[n]            of those, accepted (position j of sequence i was accepted iff
                            j < accepted[i]; positions >= keep[i] were not verified)
 
-Probabilities are rounded to 4 decimals.
+Probabilities are rounded to 4 decimals. `read_trace` also reads a gzipped trace (.jsonl.gz).
 """
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Iterator
@@ -71,7 +72,9 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> Iterator[dict]:
-    with Path(path).open() as f:
+    """A trace's steps; a path ending in .gz is read through gzip (how the repository keeps them)."""
+    path = Path(path)
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
         for line in f:
             if line.strip():
                 yield json.loads(line)

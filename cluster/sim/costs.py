@@ -92,11 +92,11 @@ class ProfileCost:
 
     @classmethod
     def load(cls, path: str | Path) -> "ProfileCost":
-        """A step trace (.jsonl) or a sweep file (the profile cache's JSON, with its samples)."""
+        """A step trace (.jsonl, or .jsonl.gz) or a sweep file (the profile cache's JSON, with its samples)."""
         from cluster.sim.traces import control_times, samples as trace_samples
 
         path = Path(path)
-        if path.suffix == ".jsonl":
+        if path.name.endswith((".jsonl", ".jsonl.gz")):
             cost = cls.fit(trace_samples(path), f"profile fitted to the decode steps of {path}")
             cost.control = cls.fit_control(control_times(path))
             return cost
@@ -130,5 +130,5 @@ class CostWorkers:
     def validate_ms(self, n: int, q: int, ctx: int, runs: int) -> float:
         return self.cost.validate_ms(np.full(n, q), np.full(n, ctx))
 
-    def draft_step_ms(self, n: int, ctx: int, runs: int) -> float:
-        return self.cost.draft_ms(n, np.full(n, ctx), 1)
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
+        return self.cost.draft_ms(n, np.full(n, ctx), steps)
