@@ -27,6 +27,7 @@ from cluster.engine.ray_env import NICE_0_ENV
 from cluster.engine.request import RequestOutput, RequestParams
 from cluster.serving.channel import Channel, ChannelServer
 from cluster.serving.engine_loop import EngineDeadError, EngineLoop
+from cluster.serving.priority import LoadPriority
 
 log = logging.getLogger("adaspec.engine_client")
 MAX_CONCURRENT_CALLS = 4  # actor threads for Ray's calls: metric scrapes, health, shutdown
@@ -130,6 +131,7 @@ class EngineClient:
         self._connecting = asyncio.Lock()  # bound to the replica's event loop on first use
         self._reader: asyncio.Task | None = None
         self._calls: dict[int, asyncio.Future] = {}  # adds waiting for the engine's answer
+        self.priority = LoadPriority()  # this process's niceness by the requests in flight
 
     @property
     def max_model_len(self) -> int:
@@ -153,6 +155,7 @@ class EngineClient:
         channel = await self._connect()
         stream = RequestStream(f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}", params.n)
         self._streams[stream.request_id] = stream  # before the add: its first update may come before the answer
+        self.priority.update(len(self._streams))
         call_id = next(self._call_ids)
         answer = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
@@ -263,6 +266,7 @@ class EngineClient:
                 if stream.done:
                     self._streams.pop(out.request_id, None)
             stream.queue.put_nowait(out)
+        self.priority.update(len(self._streams))
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = list(self._streams.values()), {}
