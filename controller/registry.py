@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape, piecewise
+from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape
 
 WINDOW = 4096  # online samples kept for refits
 RECENT = 32  # samples in the "recent error" window
@@ -193,11 +193,9 @@ class ProfileRegistry:
         the budget draft again: batch 8 switched between standing down and drafting as
         refits came."""
         drafted = self._steady_drafts(self._online.rows())[-SPEED_WINDOW:]
-        swept = self._steady_drafts(self._sweep.rows())
-        if len(drafted) >= DRAFT_MIN_SAMPLES and len(swept) >= 2:
-            fitted, n = self._sweep_fit(), _drafting(drafted)
-            g = piecewise(n, fitted.n_knots, fitted.n_ms) if fitted.n_knots else fitted.d0 + fitted.d1 * n
-            predicted = fitted.d_first + drafted[:, DRAFT_STEPS] * g  # draft_ms(n, m) of every row at once
+        swept = self._sweep_fit()
+        if len(drafted) >= DRAFT_MIN_SAMPLES and swept.n_knots:  # (no draft table: too few sweep draft points)
+            predicted = swept.draft_ms_at(_drafting(drafted), drafted[:, DRAFT_STEPS])
             ratio = float(np.median(drafted[:, DRAFT_MS] / np.maximum(predicted, 1e-6))) / speed
             self._draft_overhead = min(max(ratio, SPEED_LIMITS[0]), SPEED_LIMITS[1])
         return self._draft_overhead

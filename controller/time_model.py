@@ -90,6 +90,12 @@ class TimeModel:
         """`steps` draft steps for n sequences: d_first + steps g(n) (nothing for none)."""
         return self.d_first + steps * self.draft_step_ms(n) if steps > 0 else 0.0
 
+    def draft_ms_at(self, n: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """draft_ms for arrays of steps' batch sizes and draft step counts."""
+        n, steps = np.asarray(n, dtype=np.float64), np.asarray(steps, dtype=np.float64)
+        g = piecewise(n, self.n_knots, self.n_ms) if self.n_knots else self.d0 + self.d1 * n
+        return np.where(steps > 0, self.d_first + steps * g, 0.0)
+
 
 def piecewise(x, knots, values):
     """Linear between knots, the end segments' slopes beyond them (non-decreasing tables

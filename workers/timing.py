@@ -56,8 +56,8 @@ def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3) -
     """`steps` draft positions for n sequences as a decode step drafts them (the runner's own
     draft loop): a catch-up of SWEEP_CATCHUP tokens per sequence, then the draft forwards,
     each with its distribution's top two. A catch-up of one token and no draft loop, as
-    the sweep once timed, made batch 8's three draft steps look 4.1 ms where decode steps
-    took 7.2: the budget drafted there until online draft times had corrected the model,
+    the sweep once timed, made batch 8's three draft positions look 4.1 ms where steady decode
+    steps took 5.6: the budget drafted there until online draft times had corrected the model,
     stood down, and drafted again once they had left the registry's window."""
     if runner.proposer is None:
         return 0.0
