@@ -43,7 +43,6 @@ class SpecStep:
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
         self._g: float | None = None  # the time model's g(n), asked once per step
         self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
-        self._one_ok: bool | None = None  # whether batch 1's OneRow decides (_one_row_ok)
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
@@ -171,9 +170,7 @@ class SpecStep:
 
     # ------------------------------------------------------------------ helpers
     def _one_row_ok(self) -> bool:
-        if self._one_ok is None:  # asked up to three times a step
-            self._one_ok = len(self.kv) == 1 and self.policy.cfg.adaptive.estimator == "top_prob_logistic"
-        return self._one_ok
+        return len(self.kv) == 1 and self.policy.cfg.adaptive.estimator == "top_prob_logistic"
 
     def _one_row(self):
         """Batch 1's OneRow for this step (SpecPolicy.one_row), made on first use."""

@@ -26,18 +26,10 @@ class DraftYields:
 
     def count_drafts(self, max_keep, m: int) -> None:
         """A step's drafts: sequence i drafted min(m, max_keep[i]) it could verify (a list or an array)."""
-        if len(max_keep) == 1:  # batch 1: the same counts without a histogram (about 10 us a step less)
-            _add_prefix(self._pending[0], min(int(max_keep[0]), m), m)
-            return
         _add_at_least(self._pending[0], _histogram(max_keep, m), len(max_keep))
 
     def count_outcomes(self, verified, accepted: np.ndarray) -> None:
         """Drafts verified per sequence (a list or an array) and, of those, accepted (an array)."""
-        if len(verified) == 1:
-            width = int(verified[0])
-            _add_prefix(self._pending[1], width, width)
-            _add_prefix(self._pending[2], min(int(accepted[0]), width), width)
-            return
         width = max(verified) if isinstance(verified, list) else int(verified.max(initial=0))
         if isinstance(verified, list):
             accepted = accepted.tolist()
@@ -74,13 +66,6 @@ def _histogram(values, width: int) -> list[int]:
             hist[min(v, width)] += 1
         return hist
     return np.bincount(np.minimum(values, width), minlength=width + 1).tolist()
-
-
-def _add_prefix(counts: list, count: int, width: int) -> None:
-    """_add_at_least for a single value `count` (at most width): counts[j] += 1 for j < count."""
-    counts.extend([0] * (width - len(counts)))
-    for j in range(count):
-        counts[j] += 1
 
 
 def _add_at_least(counts: list, hist: list[int], n: int) -> None:

@@ -58,25 +58,3 @@ def test_exploration_teaches_the_estimate_about_drafts_the_rule_passes_over():
     assert abs(est - 0.7) < 0.08
     confident = policy.logistic.estimate(np.array([[CONFIDENT[0]]]), np.array([[CONFIDENT[1]]]))[0, 0]
     assert confident > 0.95
-
-
-def test_one_row_counts_equal_the_histogram_s():
-    """Batch 1 counts a step's drafts and outcomes without a histogram; the counts, and the
-    shares the budget reads, are the histogram's exactly (every rank must reach the same)."""
-    from controller.yields import DraftYields
-
-    rng = np.random.default_rng(3)
-    fast, general = DraftYields(7), DraftYields(7)
-    for _ in range(500):
-        m = int(rng.integers(0, 8))
-        cap = int(rng.integers(0, 8))
-        verified = min(int(rng.integers(0, m + 1)), cap)
-        accepted = int(rng.integers(0, verified + 1))
-        for y, rows in ((fast, 1), (general, 2)):  # two identical rows take the histogram path: halve later
-            y.count_drafts([cap] * rows, m)
-            y.count_outcomes([verified] * rows, np.array([accepted] * rows))
-    general._pending = [[c // 2 for c in counts] for counts in general._pending]
-    assert fast._pending == general._pending
-    fast.fold(), general.fold()
-    prior = np.full(7, 0.6)
-    assert fast.shares(prior) == general.shares(prior)
