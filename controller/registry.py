@@ -193,9 +193,9 @@ class ProfileRegistry:
         the budget draft again: batch 8 switched between standing down and drafting as
         refits came."""
         drafted = self._steady_drafts(self._online.rows())[-SPEED_WINDOW:]
-        swept = self._sweep_fit()
-        if len(drafted) >= DRAFT_MIN_SAMPLES and swept.n_knots:  # (no draft table: too few sweep draft points)
-            predicted = swept.draft_ms_at(_drafting(drafted), drafted[:, DRAFT_STEPS])
+        swept = self._steady_drafts(self._sweep.rows())
+        if len(drafted) >= DRAFT_MIN_SAMPLES and len(swept) >= 2:
+            predicted = self._sweep_fit().draft_ms_at(_drafting(drafted), drafted[:, DRAFT_STEPS])
             ratio = float(np.median(drafted[:, DRAFT_MS] / np.maximum(predicted, 1e-6))) / speed
             self._draft_overhead = min(max(ratio, SPEED_LIMITS[0]), SPEED_LIMITS[1])
         return self._draft_overhead
