@@ -136,6 +136,38 @@ def test_round_order_keeps_the_reference_arms_back_to_back_and_shuffles_the_rest
     assert abs(names.index("nospec") - names.index("offline-nospec")) == 1
 
 
+def test_a_round_runs_its_requests_in_blocks_every_arm_on_each_block_in_turn(monkeypatch):
+    import random
+    from types import SimpleNamespace
+
+    from cluster.bench import clients as cl
+    from cluster.bench.load import RequestResult, RequestSpec
+    from cluster.bench.serving import closed_loop
+
+    specs = [RequestSpec([i], 4) for i in range(20)]
+    assert [len(b) for b in cl.blocks(specs, 1)] == [10, 10]  # at least BLOCK_PER_CLIENT per client
+    assert cl.blocks(specs, 2) == [specs] and cl.blocks(specs[:3], 1) == [specs[:3]]
+    assert [s for b in cl.blocks(specs * 3, 1) for s in b] == specs * 3  # in order, each once
+    calls = []
+
+    def fake(target, part, clients):
+        calls.append((target.arm, part[0].prompt[0]))
+        return [RequestResult(sent=0.0, end=1.0, tokens=4, text=str(s.prompt)) for s in part], 0.5
+
+    monkeypatch.setattr(cl, "client_results", fake)
+    targets = [SimpleNamespace(arm=a, settle_s=0.0) for a in ("nospec", "static-3")]
+    cfg = SimpleNamespace(bench=SimpleNamespace(serve_clients=[1], serve_client_rounds=2))
+    points, rounds = closed_loop(cfg, None, [], targets, specs, False, random.Random(0))
+    for r in range(2):  # each block by every arm, the order reversed on the next block
+        first, second = calls[4 * r:4 * r + 2], calls[4 * r + 2:4 * r + 4]
+        assert {c[1] for c in first} == {0} and {c[1] for c in second} == {10}
+        assert [c[0] for c in second] == [c[0] for c in first][::-1]
+    assert len(rounds) == 4 and all(p["completed"] == 20 and p["wall_s"] == 1.0 for p in rounds)
+    assert all(p["texts"] == [str([i]) for i in range(20)] for p in rounds)  # the round's requests in order
+    assert sorted(p["arm"] for p in points) == ["nospec", "static-3"] and all(p["rounds"] == [80.0, 80.0]
+                                                                               for p in points)
+
+
 def test_serve_arm_names():
     assert arm_overrides("adaptive-7")[-2:] == ["speculative.num_speculative_tokens=7",
                                                 "speculative.adaptive.enabled=true"]

@@ -3,7 +3,8 @@ request when its last one finished, against every server arm; and the same reque
 offline through an in-process Engine with as many in flight (`offline-nospec`), the
 bound a server of this engine could reach, so a served arm's cost shows as a ratio. Each
 point is measured in bench.serve_client_rounds interleaved rounds (`merge_rounds`), the arms
-that ratios are taken against back to back in each (`round_order`)."""
+that ratios are taken against back to back in each (`round_order`), and a round's requests
+in blocks that every runner takes in turn (`blocks`)."""
 from __future__ import annotations
 
 import asyncio
@@ -34,12 +35,36 @@ def round_order(runners: list, rng) -> list:
     return others[:at] + anchors + others[at:]
 
 
-def measure_clients(target, specs: list[RequestSpec], clients: int) -> dict:
-    from cluster.bench.serving import point, running
+BLOCK_PER_CLIENT = 8  # a round's requests run in blocks of at least this many per client
+
+
+def blocks(specs: list[RequestSpec], clients: int) -> list[list[RequestSpec]]:
+    """A round's requests cut into blocks of at least BLOCK_PER_CLIENT per client (one block
+    from 8 clients up at 64 requests). Every runner runs a block before the next one starts,
+    in the round's order, reversed every other block. At one client a round of 48 requests
+    took 3-4 s per arm, and the per-round ratio of served to offline ranged 0.77-1.05 over
+    ten rounds: this machine's speed moves that much within seconds. In blocks of 8 the two
+    stand about half a second apart."""
+    n = max(1, len(specs) // (BLOCK_PER_CLIENT * clients))
+    size = -(-len(specs) // n)
+    return [specs[i:i + size] for i in range(0, len(specs), size)]
+
+
+def client_results(target, specs: list[RequestSpec], clients: int) -> tuple[list[RequestResult], float]:
+    """`clients` closed-loop clients against a server: the results and the wall time."""
+    from cluster.bench.serving import running
 
     with running(target):
-        results, wall = asyncio.run(run_clients(target.url, target.model, specs, clients))
-    return {**point(target.arm, float("inf"), None, results, wall), "rate": None, "clients": clients}
+        return asyncio.run(run_clients(target.url, target.model, specs, clients))
+
+
+def joined(arm: str, clients: int, parts: list[tuple[list[RequestResult], float]]) -> dict:
+    """One round's point from its blocks: every request's result, over the blocks' summed wall time."""
+    from cluster.bench.serving import point
+
+    results = [r for part, _ in parts for r in part]
+    return {**point(arm, float("inf"), None, results, sum(wall for _, wall in parts)), "rate": None,
+            "clients": clients}
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
@@ -78,8 +103,8 @@ class OfflineClients:
 
         self.engine = Engine(cfg)
 
-    def measure(self, specs: list[RequestSpec], clients: int) -> dict:
-        from cluster.bench.serving import point
+    def results(self, specs: list[RequestSpec], clients: int) -> tuple[list[RequestResult], float]:
+        """As client_results, through the engine in this process."""
         from cluster.engine.request import RequestParams
 
         engine, results = self.engine, [RequestResult(sent=0.0) for _ in specs]
@@ -105,8 +130,7 @@ class OfflineClients:
                 if out.finished:
                     r.end, r.text, r.tokens = time.perf_counter(), out.text, len(out.token_ids)
                     live += send() - 1
-        wall = max(r.end for r in results) - start
-        return {**point(self.arm, float("inf"), None, results, wall), "rate": None, "clients": clients}
+        return results, max(r.end for r in results) - start
 
     def close(self) -> None:
         self.engine.shutdown()

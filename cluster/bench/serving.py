@@ -272,9 +272,10 @@ def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Tar
     """bench.serve_clients points for every arm, plus (with our servers) the offline engine
     on the same requests: bench.serve_client_rounds rounds per client count, every runner
     once per round in an order shuffled per round (the reference arms back to back:
-    clients.round_order), so a ratio can be taken round by round.
+    clients.round_order), so a ratio can be taken round by round; within a round every
+    runner takes each block of the requests in turn (clients.blocks).
     Returns the points merged over rounds (clients.merge_rounds) and every round's point."""
-    from cluster.bench.clients import OfflineClients, measure_clients, merge_rounds, round_order
+    from cluster.bench.clients import OfflineClients, blocks, client_results, joined, merge_rounds, round_order
     from cluster.config import load_config
 
     if not cfg.bench.serve_clients:
@@ -284,16 +285,20 @@ def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Tar
         runners.append(OfflineClients(load_config(config, list(overrides) + arm_overrides("nospec"))))
     rounds: dict[tuple, list[dict]] = {}
     try:
-        bar = tqdm(total=len(cfg.bench.serve_clients) * cfg.bench.serve_client_rounds * len(runners), desc="clients",
-                   mininterval=2)
+        parts = {clients: blocks(specs, clients) for clients in cfg.bench.serve_clients}
+        bar = tqdm(total=sum(map(len, parts.values())) * cfg.bench.serve_client_rounds * len(runners),
+                   desc="clients", mininterval=2)
         for clients in cfg.bench.serve_clients:
             for _ in range(cfg.bench.serve_client_rounds):
-                for r in round_order(runners, rng):
-                    got = r.measure(specs, clients) if isinstance(r, OfflineClients) else \
-                        measure_clients(r, specs, clients)
-                    rounds.setdefault((r.arm, clients), []).append(got)
-                    time.sleep(r.settle_s)
-                    bar.update()
+                order, got = round_order(runners, rng), {r.arm: [] for r in runners}
+                for b, part in enumerate(parts[clients]):
+                    for r in (order if b % 2 == 0 else order[::-1]):
+                        got[r.arm].append(r.results(part, clients) if isinstance(r, OfflineClients) else
+                                          client_results(r, part, clients))
+                        time.sleep(r.settle_s)
+                        bar.update()
+                for r in runners:
+                    rounds.setdefault((r.arm, clients), []).append(joined(r.arm, clients, got[r.arm]))
         bar.close()
     finally:
         for r in runners:
