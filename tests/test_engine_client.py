@@ -57,10 +57,60 @@ def test_polls_keep_the_interval_but_let_a_first_text_and_an_end_through_at_once
     assert steps[first_text] == FIRST_TEXT  # not coalesced with later steps: it came at once
     assert returned[first_text] - engine.published[FIRST_TEXT - 1] < INTERVAL_S / 2
     assert returned[-1] - engine.published[-1] < INTERVAL_S / 2  # the end, at once
-    streaming = np.diff(returned[first_text:-1])
-    assert len(streaming) >= 2 and streaming.min() >= INTERVAL_S * 0.95  # in between, the interval
+    streaming = np.diff(returned[first_text + 1:-1])  # the regular polls keep their own pace: the first text
+    assert len(streaming) >= 2 and streaming.min() >= INTERVAL_S * 0.95  # went out alone, in between them
     joined = [t for _, out in polls for t in out.new_token_ids]
     assert joined == polls[-1][1].token_ids  # coalesced updates lose no token
+
+
+class _Busy:
+    """A long stream beside short requests that each start and end within a few steps, as
+    under many closed-loop clients: a first text or an end in nearly every step."""
+
+    decoder = object()
+    SHORT = 3  # steps per short request: first text on its first, end on its last
+
+    def __init__(self, steps: int):
+        self.stats = SimpleNamespace(steps=0)
+        self.total = steps
+        self.published: dict[tuple[str, bool], float] = {}  # (request, finished) -> when the step returned
+
+    def has_work(self) -> bool:
+        return self.stats.steps < self.total
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(STEP_S)
+        i = self.stats.steps = self.stats.steps + 1
+        short, j = f"s{(i - 1) // self.SHORT}", (i - 1) % self.SHORT + 1
+        outs = [RequestOutput(request_id="long", sample_index=0, prompt_ids=[1], token_ids=[5] * i, text="a" * i,
+                              finished=i == self.total, finish_reason="length" if i == self.total else None,
+                              new_token_ids=[5]),
+                RequestOutput(request_id=short, sample_index=0, prompt_ids=[1], token_ids=[6] * j, text="b" * j,
+                              finished=j == self.SHORT, finish_reason="stop" if j == self.SHORT else None,
+                              new_token_ids=[6])]
+        now = time.monotonic()
+        self.published.setdefault(("long", False), now)
+        self.published[(short, j == self.SHORT)] = now
+        return outs
+
+
+def test_a_first_text_or_an_end_goes_out_alone_and_the_other_streams_keep_the_interval():
+    engine = _Busy(steps=90)
+    loop = EngineLoop(engine)
+    try:
+        polls: list[tuple[float, RequestOutput]] = []
+        while not any(out.request_id == "long" and out.finished for _, out in polls):
+            polls += [(time.monotonic(), out) for out in loop.poll(5.0, INTERVAL_S)]
+    finally:
+        loop.shutdown()
+    long = [(t, out) for t, out in polls if out.request_id == "long"]
+    gaps = np.diff([t for t, _ in long[1:-1]])  # after its first text, before its end
+    assert len(long) >= 3 and gaps.min() >= INTERVAL_S * 0.95  # not carried along by the short ones' polls
+    assert [t for _, out in long for t in out.new_token_ids] == long[-1][1].token_ids  # no token lost
+    ends = [(t, out.request_id) for t, out in polls if out.request_id != "long" and out.finished]
+    assert len(ends) == 90 // _Busy.SHORT
+    late = [t - engine.published[(rid, True)] for t, rid in ends]
+    assert np.median(late) < INTERVAL_S / 4  # the short requests' ends, at once
 
 
 def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_dies(ray_session):

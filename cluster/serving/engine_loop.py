@@ -3,7 +3,10 @@ Engine only through `call` (under the lock, let in ahead of the next step) and c
 what the steps produced with `poll`, a long poll that returns every update since the last
 one, coalesced per sample: a slow reader gets fewer, larger updates instead of a backlog.
 A poll may ask for a pause since the last one (fewer, larger chunks); a sample's first text
-and its end are let through at once, since a client waits on each.
+and its end are let through at once, since a client waits on each, and alone: the other
+samples' updates keep coalescing until the pause is over. (Letting everything through with
+them made the pause moot under load: at 64 clients a request starts or ends nearly every
+step, so every sample went out every step.)
 
 It runs inside the engine actor (cluster/serving/engine_client.py), a process of its own,
 so the model never shares an interpreter lock with the HTTP event loop.
@@ -36,7 +39,7 @@ class EngineLoop:
         self._stopped = False
         self._outbox: dict[tuple[str, int], RequestOutput] = {}
         self._outbox_cond = threading.Condition()
-        self._urgent = False  # the outbox holds a first text or an end
+        self._urgent: set[tuple[str, int]] = set()  # samples whose first text or end is in the outbox
         self._texted: set[tuple[str, int]] = set()  # samples whose text has started
         self._returned = 0.0  # when the last poll returned
         self._thread = threading.Thread(target=self._run, name="adaspec-engine-loop", daemon=True)
@@ -73,22 +76,28 @@ class EngineLoop:
         return dropped
 
     def poll(self, timeout_s: float, interval_s: float = 0.0) -> list[RequestOutput]:
-        """Every update since the last poll: per sample the newest output, its new_token_ids
-        holding all tokens since the last poll. Returns once there are updates and interval_s
-        has passed since the last poll returned, at once for a first text or an end, and
-        after timeout_s with whatever there is (perhaps nothing)."""
+        """Every update since the last full poll: per sample the newest output, its
+        new_token_ids holding all tokens since the sample's last update. Returns once there
+        are updates and interval_s has passed since the last full poll returned, and after
+        timeout_s with whatever there is (perhaps nothing). Before that, a first text or an
+        end returns at once with only the samples that have one."""
         start = time.monotonic()
         ready_at, give_up = self._returned + interval_s, start + timeout_s
         with self._outbox_cond:
             while True:
                 now = time.monotonic()
-                if not self.is_alive() or self._urgent or (self._outbox and now >= ready_at) or now >= give_up:
+                due = bool(self._outbox) and now >= ready_at
+                if not self.is_alive() or self._urgent or due or now >= give_up:
                     break
                 self._outbox_cond.wait((min(ready_at, give_up) if self._outbox else give_up) - now)
             if not self._outbox and not self.is_alive():
                 raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
-            updates, self._outbox, self._urgent = list(self._outbox.values()), {}, False
-            self._returned = time.monotonic()
+            if self._urgent and not due and self.is_alive():
+                updates = [self._outbox.pop(key) for key in self._urgent]
+            else:
+                updates, self._outbox = list(self._outbox.values()), {}
+                self._returned = time.monotonic()
+            self._urgent = set()
         return updates
 
     def is_alive(self) -> bool:
@@ -152,10 +161,10 @@ class EngineLoop:
             for out in outputs:
                 key = (out.request_id, out.sample_index)
                 if out.finished:
-                    self._urgent = True
+                    self._urgent.add(key)
                     self._texted.discard(key)
                 elif key not in self._texted and (out.text or textless):
-                    self._urgent = True
+                    self._urgent.add(key)
                     self._texted.add(key)
                 earlier = self._outbox.get(key)
                 if earlier is not None:
