@@ -40,7 +40,7 @@ BLOCK_PER_CLIENT = 8  # a round's requests run in blocks of at least this many p
 
 def blocks(specs: list[RequestSpec], clients: int) -> list[list[RequestSpec]]:
     """A round's requests cut into blocks of at least BLOCK_PER_CLIENT per client (one block
-    from 8 clients up at 64 requests). Every runner runs a block before the next one starts,
+    from 4 clients up at 48 requests). Every runner runs a block before the next one starts,
     in the round's order, reversed every other block. At one client a round of 48 requests
     took 3-4 s per arm, and the per-round ratio of served to offline ranged 0.77-1.05 over
     ten rounds: this machine's speed moves that much within seconds. In blocks of 8 the two
