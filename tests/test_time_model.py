@@ -77,7 +77,8 @@ def test_refit_reads_the_columns_as_the_samples_say():
     assert 0.9 < speed < 1.1  # the same model throughout; the sweep is rescaled by it all the same
     overhead = reg.draft_overhead(speed)  # online draft times over the sweep's, beyond speed
     assert overhead != 1.0
-    data = [dataclasses.replace(s, validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * speed * overhead)
+    # scaled as the registry scales them, one factor (speed * overhead), or the last bit may differ
+    data = [dataclasses.replace(s, validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * (speed * overhead))
             for s in sweep] + online
     validated = [s for s in data if s.q_tokens > 0]
     steady = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
