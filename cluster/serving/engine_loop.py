@@ -41,7 +41,7 @@ class EngineLoop:
         self._outbox_cond = threading.Condition()
         self._urgent: set[tuple[str, int]] = set()  # samples whose first text or end is in the outbox
         self._texted: set[tuple[str, int]] = set()  # samples whose text has started
-        self._returned = 0.0  # when the last poll returned
+        self._returned = 0.0  # when the last full poll returned (not one that took only first texts and ends)
         self._thread = threading.Thread(target=self._run, name="adaspec-engine-loop", daemon=True)
         self._thread.start()
 
