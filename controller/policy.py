@@ -139,12 +139,18 @@ class SpecPolicy:
 
     def one_row(self, tm: TimeModel, kv: int, cap: int, extra: int):
         """Batch 1's OneRow for a step (controller/one_row.py), deciding on the logistic estimate;
-        kv: the sequence's context length; extra: the drafts it may decide on. It is kept and
-        restarted each step, and rebuilt only when the time model, `extra`, the logistic weights
-        or the rates change (a calibration batch): the compiled one's per-step cost is a call."""
+        kv: the sequence's context length; cap: the drafts it may verify; extra: the drafts it
+        may decide on. It is kept and restarted each step, and rebuilt only when the time model,
+        the logistic weights or the rates change (a calibration batch) or a step may decide on
+        more drafts than it was built for: the compiled one's per-step cost is a call. It is
+        built for at least the policy's k, as its terms for m drafts do not depend on how many
+        more it holds and `cap` bounds what it decides on: the last steps of a sequence, which
+        may verify fewer drafts (max_tokens is near), had rebuilt it at 14% of batch 1's
+        adaptive steps, about 18 us a step on average."""
         weights, rates = self.logistic.weights, self.next_rates
         held = self._one_row
-        if held is None or held[0] is not tm or held[1] != extra or held[2] is not weights or held[3] is not rates:
+        if held is None or held[0] is not tm or held[1] < extra or held[2] is not weights or held[3] is not rates:
+            extra = max(extra, self.cfg.num_speculative_tokens)
             costs = step_costs(tm, [0], extra, self.f_values(tm, "decide", 1, extra))
             compiled = self.compiled
             one = new_one_row(costs, self.cfg.adaptive.min_gain, cap,

@@ -149,3 +149,42 @@ def test_the_policy_decides_batch_1_with_the_compiled_one_row(ops):
             kinds.append(type(step._one).__module__)
     assert kinds == ["adaspec_cpu_ops"] * 2 + ["controller.one_row"] * 2
     assert len(set(answers)) == 1
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_last_steps_of_a_sequence_reuse_batch_1s_one_row_and_decide_as_one_built_for_their_cap(ops, monkeypatch,
+                                                                                                   compiled):
+    """Near max_tokens a step may verify fewer drafts than k: the policy's OneRow, built for k,
+    is restarted, not rebuilt, and answers (early stop after every draft, then the keep set)
+    as a OneRow built for exactly that many drafts."""
+    import controller.policy as policy_module
+
+    cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True, min_gain=0.01))
+    policy = SpecPolicy(cfg, compiled=ops if compiled else None)
+    tm = TimeModel(version=1, b0=1.0, b1=0.02, b2=1e-4, d0=0.02, d_first=0.01, o0=0.3, o1=0.01)  # drafting is cheap
+    policy.install(tm)
+    built = []
+    monkeypatch.setattr(policy_module, "new_one_row", lambda *a: built.append(a) or new_one_row(*a))
+    rng = np.random.default_rng(3)
+    weights, rates = policy.logistic.weights, policy.next_rates
+    answers = []
+    for step, cap in enumerate([7, 7, 6, 4, 3, 2, 1, 7, 5]):
+        kv = 100 + 3 * step
+        one = policy.one_row(tm, kv, cap, cap)
+        costs = step_costs(tm, [0], cap)
+        ref = OneRow(costs, cfg.adaptive.min_gain, cap, weights)
+        ctx = step_costs(tm, [kv], cap).ctx_list[0]
+        ref.restart(ctx, costs.fixed + ctx, cap)
+        ref.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(cap + 2)], rates)
+        for j in range(1, cap + 1):
+            p = float(rng.uniform(0.3, 1.0))
+            m = p * float(rng.uniform(0.2, 1.0))
+            if j < cap:  # the early stop asks about draft j + 1
+                answers.append(ref.next(j, p, m))
+                assert one.next(j, p, m) == answers[-1]
+            else:  # the last draft the step may make: no question after it
+                ref.add_logistic(p, m)
+                one.add_logistic(p, m)
+            assert one.keep(j) == ref.keep(j)
+    assert len(built) == 1
+    assert 5 < sum(answers) < len(answers) - 5  # both answers were reached
