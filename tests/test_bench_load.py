@@ -19,7 +19,7 @@ async def _serve_and_run(drop_every: int, specs: list[RequestSpec], clients: int
 
     async def completions(request):
         body = await request.json()
-        seen["connections"].add(id(request.transport))
+        seen["connections"].add(request.transport.get_extra_info("peername"))  # the client port: one per connection
         seen["requests"] += 1
         if drop_every and seen["requests"] % drop_every == 0:
             request.transport.close()  # as a server closing an idle keep-alive connection
