@@ -38,9 +38,8 @@ async def _serve_and_run(drop_every: int, specs: list[RequestSpec], clients: int
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     try:
         results, _ = await run_clients(f"http://127.0.0.1:{port}", None, specs, clients)
     finally:
