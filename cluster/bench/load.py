@@ -1,6 +1,7 @@
 """The serving benchmark's client: streamed `/v1/completions` requests sent on a seeded
 Poisson schedule, or by a fixed number of closed-loop clients, to any OpenAI-compatible
-server, and what each one measured."""
+server, and what each one measured. Connections are kept open between requests, as
+OpenAI's client does (KEEPALIVE_S)."""
 from __future__ import annotations
 
 import asyncio
