@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from controller.decision import CONF_BITS, CONF_ONE, StepCosts
 from controller.estimators import logistic_estimate
+from controller.time_model import UNITS_PER_MS
 
 
 def new_one_row(costs: StepCosts, min_gain: float, cap: int, weights: list | None = None, compiled=None):
@@ -37,6 +38,7 @@ class OneRow:
         self.f, self.o, self.weights = costs.f_list, costs.per_token, weights
         self.min_gain, self.scale = min_gain, 1.0 + min_gain
         self.top = self.margin = None  # watched buffers (watch)
+        self.budget_terms = None  # set_budget's
         self.restart(costs.ctx_list[0], costs.fixed + costs.ctx_sum, cap)
 
     def restart(self, ctx: int, fixed: int, cap: int) -> None:
@@ -49,6 +51,31 @@ class OneRow:
         self.acc = CONF_ONE  # path probability of the longest prefix
         self.drafts = 0  # estimates added
         self.closed = False  # a path probability reached 0, or the cap: no longer prefix counts
+
+    def set_budget(self, b2: float, base: float, fixed: int, terms: list[list[tuple]], scale: float,
+                   units_per_ms: float = UNITS_PER_MS) -> None:
+        """The draft budget's terms at batch 1 (SpecPolicy.budget_terms): b2, the time model's
+        context coefficient; base, the time of a plain step without its context term; fixed, the
+        step's fixed time terms in units (StepCosts.fixed); terms[k], the budget's (m, expected,
+        time, verified) for m = 1..k; scale, 1 + min_gain; units_per_ms, time units per ms."""
+        self.b2, self.base, self.fixed0, self.budget_terms, self.budget_scale = b2, base, fixed, terms, scale
+        self.units_per_ms = units_per_ms
+
+    def begin(self, kv: int, cap: int, k: int) -> int:
+        """A new step (restart) for a sequence of context length kv that may verify `cap`
+        drafts, and the draft budget's choice of 0..k draft steps: SpecStep._budget's, the
+        same floats in the same order (one call a step where the compiled twin runs)."""
+        if self.budget_terms is None or not 0 <= k < len(self.budget_terms):
+            raise IndexError(f"OneRow.begin: no budget terms for {k} drafts")
+        kv_ms = self.b2 * float(kv)
+        ctx = int(round(kv_ms * self.units_per_ms))  # decision.context_unit
+        self.restart(ctx, self.fixed0 + ctx, cap)
+        best_m, best = 0, 1.0 / (self.base + kv_ms)
+        for m, expected, fixed, verified in self.budget_terms[k]:
+            theta = expected / (fixed + verified * kv_ms)
+            if theta > best * self.budget_scale:
+                best_m, best = m, theta
+        return best_m
 
     def add(self, c: float) -> None:
         """The next draft's acceptance estimate."""

@@ -18,11 +18,11 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, context_unit, draft_units, f_table, step_costs
+from controller.decision import SMALL, draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.step import EXPLORE_EVERY, SpecStep
-from controller.time_model import TimeModel
+from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import DraftYields, prior_rates
 
 MODES = ("static", "adaptive", "oracle")
@@ -41,7 +41,7 @@ class SpecPolicy:
         decides with (the same answers as controller/one_row.py's); None: the Python one."""
         self.cfg = cfg
         self.compiled = compiled
-        self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow, fixed units)
+        self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
@@ -137,14 +137,14 @@ class SpecPolicy:
             counted = (rule, np.minimum(accepted, rule))
         self.observe(top_prob, margin, verified, accepted, step.rule_keep, counted)
 
-    def one_row(self, tm: TimeModel, kv: int, cap: int, extra: int):
-        """Batch 1's OneRow for a step (controller/one_row.py), deciding on the logistic estimate;
-        kv: the sequence's context length; cap: the drafts it may verify; extra: the drafts it
-        may decide on. It is kept and restarted each step, and rebuilt only when the time model,
-        the logistic weights or the rates change (a calibration batch) or a step may decide on
-        more drafts than it was built for: the compiled one's per-step cost is a call. It is
-        built for at least the policy's k, as its terms for m drafts do not depend on how many
-        more it holds and `cap` bounds what it decides on: the last steps of a sequence, which
+    def one_row(self, tm: TimeModel, extra: int):
+        """Batch 1's OneRow (controller/one_row.py), deciding on the logistic estimate, for steps
+        that may decide on `extra` drafts; each step starts it with `begin`, which also answers
+        the draft budget. It is kept across steps and rebuilt only when the time model, the
+        logistic weights or the rates change (a calibration batch) or a step may decide on more
+        drafts than it was built for: the compiled one's per-step cost is a call. It is built
+        for at least the policy's k, as its terms for m drafts do not depend on how many more
+        it holds and a step's cap bounds what it decides on: the last steps of a sequence, which
         may verify fewer drafts (max_tokens is near), had rebuilt it at 14% of batch 1's
         adaptive steps, about 18 us a step on average."""
         weights, rates = self.logistic.weights, self.next_rates
@@ -153,12 +153,13 @@ class SpecPolicy:
             extra = max(extra, self.cfg.num_speculative_tokens)
             costs = step_costs(tm, [0], extra, self.f_values(tm, "decide", 1, extra))
             compiled = self.compiled
-            one = new_one_row(costs, self.cfg.adaptive.min_gain, cap,
+            one = new_one_row(costs, self.cfg.adaptive.min_gain, extra,
                               weights if compiled is None else compiled.LogisticWeights(weights), compiled)
             one.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(extra + 2)], rates)
-            held = self._one_row = (tm, extra, weights, rates, one, costs.fixed)
-        ctx = context_unit(tm, kv)
-        held[4].restart(ctx, held[5] + ctx, cap)
+            base = self.budget_terms(tm, 1, 1)[0]
+            terms = [[]] + [self.budget_terms(tm, 1, k)[1] for k in range(1, extra + 1)]
+            one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS)
+            held = self._one_row = (tm, extra, weights, rates, one)
         return held[4]
 
     # ------------------------------------------------------------------ time-model values
@@ -186,23 +187,23 @@ class SpecPolicy:
     def could_pay(self, tm: TimeModel, n: int, k: int) -> bool:
         """Would drafting beat a plain step for n sequences were every draft verified and
         accepted (the context's cost left out)? If not, no acceptance rate can make it pay."""
-        base, terms = self.budget_terms(tm, n, k, self.draft_step_ms(tm, n), optimistic=True)
+        base, terms = self.budget_terms(tm, n, k, optimistic=True)
         scale = 1.0 + self.cfg.adaptive.min_gain
         return any(expected / fixed > scale / base for _, expected, fixed, _ in terms)
 
-    def budget_terms(self, tm: TimeModel, n: int, k: int, g: float,
-                     optimistic: bool = False) -> tuple[float, list[tuple]]:
+    def budget_terms(self, tm: TimeModel, n: int, k: int, optimistic: bool = False) -> tuple[float, list[tuple]]:
         """The draft budget's terms that do not depend on the batch's context (SpecStep._budget),
         computed once per time model, batch size and calibration batch: other + f at m = 0, and
         per m the expected tokens, the time without the context term, and the validated tokens
         per sequence. The same floats, added in the same order, as computing them each step.
         optimistic: every draft verified and accepted, in place of the observed shares."""
-        key = (id(tm), n, k, g, optimistic)
+        key = (id(tm), n, k, optimistic)
         hit = self._budget_cache.get(key)
         if hit is not None and hit[0] is tm:
             return hit[1]
         if len(self._budget_cache) > 256:
             self._budget_cache.clear()
+        g = self.draft_step_ms(tm, n)
         f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
         (gain, share), o0, o1, first = ([1.0] * k,) * 2 if optimistic else self.shares, tm.o0, tm.o1, tm.d_first
         terms, expected, verified = [], 1.0, 1.0

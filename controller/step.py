@@ -72,14 +72,18 @@ class SpecStep:
         (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
         every rank). 0 means a plain decode step. Sets best_m."""
         policy, tm, n = self.policy, self.model, len(self.kv)
-        # one validated token per sequence: context cost of the batch
-        kv_ms = tm.b2 * float(sum(self.kv_list) if self.kv_list is not None else self.kv.sum())
-        base, terms = policy.budget_terms(tm, n, k, self._draft_step_ms())
-        best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
-        for m, expected, fixed, verified in terms:
-            theta = expected / (fixed + verified * kv_ms)
-            if theta > best * scale:
-                best_m, best = m, theta
+        if self._one_row_ok():  # batch 1: its OneRow answers, term for term (one call, compiled)
+            self._one = policy.one_row(tm, self.kmax)
+            best_m = self._one.begin(self.kv_list[0], self.max_keep_list[0], k)
+        else:
+            # one validated token per sequence: context cost of the batch
+            kv_ms = tm.b2 * float(sum(self.kv_list) if self.kv_list is not None else self.kv.sum())
+            base, terms = policy.budget_terms(tm, n, k)
+            best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
+            for m, expected, fixed, verified in terms:
+                theta = expected / (fixed + verified * kv_ms)
+                if theta > best * scale:
+                    best_m, best = m, theta
         self.best_m = best_m
         if self.probe:
             return min(k, best_m + 1)
@@ -173,9 +177,11 @@ class SpecStep:
         return len(self.kv) == 1 and self.policy.cfg.adaptive.estimator == "top_prob_logistic"
 
     def _one_row(self):
-        """Batch 1's OneRow for this step (SpecPolicy.one_row), made on first use."""
+        """Batch 1's OneRow for this step (SpecPolicy.one_row), begun by the budget (or here,
+        where the step had none to choose)."""
         if self._one is None:
-            self._one = self.policy.one_row(self.model, self.kv_list[0], self.max_keep_list[0], self.kmax)
+            self._one = self.policy.one_row(self.model, self.kmax)
+            self._one.begin(self.kv_list[0], self.max_keep_list[0], 0)
         return self._one
 
     def _costs(self) -> StepCosts:

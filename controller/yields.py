@@ -22,29 +22,43 @@ class DraftYields:
         self.drafted = np.zeros(k)
         self.verified = np.zeros(k)
         self.accepted = np.zeros(k)
-        self._pending = [[], [], []]  # the same three per position, since the last fold (Python ints)
+        # since the last fold, per sequence-step: the drafts it made that it could verify, verified,
+        # accepted; small batches' as Python ints, large ones' as arrays. Counted into positions at
+        # the fold (`pending`): one histogram per calibration batch, where counting each step cost
+        # batch 1 about 10 us a step.
+        self._values: tuple[list, list, list] = ([], [], [])
+        self._arrays: tuple[list, list, list] = ([], [], [])
 
     def count_drafts(self, max_keep, m: int) -> None:
         """A step's drafts: sequence i drafted min(m, max_keep[i]) it could verify (a list or an array)."""
-        _add_at_least(self._pending[0], _histogram(max_keep, m), len(max_keep))
+        if isinstance(max_keep, list):
+            self._values[0].extend([v if v < m else m for v in max_keep])
+        else:
+            self._arrays[0].append(np.minimum(max_keep, m))
 
     def count_outcomes(self, verified, accepted: np.ndarray) -> None:
         """Drafts verified per sequence (a list or an array) and, of those, accepted (an array)."""
-        width = max(verified) if isinstance(verified, list) else int(verified.max(initial=0))
         if isinstance(verified, list):
-            accepted = accepted.tolist()
-        _add_at_least(self._pending[1], _histogram(verified, width), len(verified))
-        _add_at_least(self._pending[2], _histogram(accepted, width), len(verified))
+            self._values[1].extend(verified)
+            self._values[2].extend(accepted.tolist())
+        else:
+            self._arrays[1].append(verified)
+            self._arrays[2].append(accepted)
+
+    def pending(self) -> list[list[int]]:
+        """The counts since the last fold: per position j, the drafts made there (that could be
+        verified), verified and accepted; each list as long as its deepest position counted."""
+        return [_at_least(values, arrays) for values, arrays in zip(self._values, self._arrays)]
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
-        drafted, kept, accepted = self._pending
+        drafted, kept, accepted = self.pending()
+        self._values, self._arrays = ([], [], []), ([], [], [])
         if not drafted:
             return
         m = len(drafted)
         for total, new in ((self.drafted, drafted), (self.verified, kept), (self.accepted, accepted)):
             total[:len(new[:m])] += new[:m]
-        self._pending = [[], [], []]
         full = self.drafted >= HALVE_AT
         if full.any():
             for a in (self.drafted, self.verified, self.accepted):
@@ -58,24 +72,15 @@ class DraftYields:
         return accepted.tolist(), kept.tolist()
 
 
-def _histogram(values, width: int) -> list[int]:
-    """How many of `values` (a list or an array) equal 0, 1, .., width (larger ones count as width)."""
-    if isinstance(values, list):
-        hist = [0] * (width + 1)
-        for v in values:
-            hist[min(v, width)] += 1
-        return hist
-    return np.bincount(np.minimum(values, width), minlength=width + 1).tolist()
-
-
-def _add_at_least(counts: list, hist: list[int], n: int) -> None:
-    """counts[j] += how many values are above j, for j < width (from their histogram)."""
-    width = len(hist) - 1
-    counts.extend([0] * (width - len(counts)))
-    below = 0
-    for j in range(width):
-        below += hist[j]
-        counts[j] += n - below
+def _at_least(values: list[int], arrays: list[np.ndarray]) -> list[int]:
+    """counts[j] = how many of the values (Python ints and arrays of them) are above j, for j
+    below the largest."""
+    if arrays:
+        values = np.concatenate([np.asarray(values, dtype=np.int64)] + [np.asarray(a, dtype=np.int64) for a in arrays])
+    elif not values:
+        return []
+    hist = np.bincount(np.asarray(values, dtype=np.int64))
+    return (len(values) - np.cumsum(hist)[:-1]).tolist()
 
 
 def prior_rates(calibrator: Calibrator) -> np.ndarray:

@@ -120,6 +120,12 @@ def test_compiled_one_row_refuses_what_python_refuses(ops):
         one.watch(np.zeros((3, 1), dtype=np.float32), np.zeros((3, 1)))  # not copied: would miss later rows
     with pytest.raises(ValueError, match="contiguous rows"):
         one.watch(np.zeros((3, 2))[:, :1], np.zeros((3, 1)))
+    for made in (one, OneRow(costs, 0.0, 3)):
+        with pytest.raises(IndexError, match="no budget terms for 1 drafts"):
+            made.begin(10, 3, 1)  # set_budget never called
+        made.set_budget(0.001, 1.0, 0, [[], [(1, 1.5, 2.0, 1.0)]], 1.0, 1000.0)
+        with pytest.raises(IndexError, match="no budget terms for 2 drafts"):
+            made.begin(10, 3, 2)
     one.watch(np.zeros((3, 1)), np.zeros((3, 1)))
     with pytest.raises(IndexError, match="no such row"):
         one.next_at(4)
@@ -170,7 +176,8 @@ def test_the_last_steps_of_a_sequence_reuse_batch_1s_one_row_and_decide_as_one_b
     answers = []
     for step, cap in enumerate([7, 7, 6, 4, 3, 2, 1, 7, 5]):
         kv = 100 + 3 * step
-        one = policy.one_row(tm, kv, cap, cap)
+        one = policy.one_row(tm, cap)
+        one.begin(kv, cap, cap)
         costs = step_costs(tm, [0], cap)
         ref = OneRow(costs, cfg.adaptive.min_gain, cap, weights)
         ctx = step_costs(tm, [kv], cap).ctx_list[0]

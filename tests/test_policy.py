@@ -244,7 +244,7 @@ def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
     keep = step.keep(top, top, margin, None)
     assert keep.tolist() == [1 if i in rows else 0 for i in range(n)] and sum(step.rule_keep) == 0
     policy.end_step(step, top, margin, keep, keep)
-    drafted, verified, accepted = policy.yields._pending
+    drafted, verified, accepted = policy.yields.pending()
     assert drafted == [2] and sum(verified) == sum(accepted) == 0  # (exploration verified and got both)
     assert policy.probe_every == 2 * PROBE_EVERY  # and the probes back off
 
@@ -266,27 +266,33 @@ def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k:
     return best_m
 
 
-def test_the_budget_from_cached_terms_equals_the_formula():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
     """The budget's context-free terms are kept per time model, batch size and calibration
-    batch; each step's answer is still the formula's, over many models, rates and contexts."""
+    batch; each step's answer is still the formula's, over many models, rates, contexts and
+    caps. Batch 1 asks its OneRow (the Python one, and the compiled one where the kernels load)."""
+    ops = request.getfixturevalue("ops") if compiled else None
     rng = np.random.default_rng(0)
     for trial in range(60):
-        policy = _policy(7)
+        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True)),
+                            compiled=ops)
         _teach(policy, rng.uniform(0.3, 0.95), k=7)
         policy.last_probe = 10**9  # no probe
         tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(0, 1e-3),
                        d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05))
         policy.install(tm)
         for n in (1, 3, 8, 40):
-            for _ in range(3):  # the same batch size again: cached terms, another context
+            for k in (7, 7, 3):  # the same batch size again: cached terms, another context; then fewer drafts
                 kv = rng.integers(10, 2000, n)
-                step = policy.begin_step("adaptive", kv, np.full(n, 7), 1, 7)
-                assert step.best_m == _budget_by_the_formula(policy, tm, kv, 7), (trial, n)
+                step = policy.begin_step("adaptive", kv, np.full(n, k), 1, k)
+                assert step.best_m == _budget_by_the_formula(policy, tm, kv, k), (trial, n, k)
         _teach(policy, rng.uniform(0.3, 0.95), k=7)  # new rates: the terms follow them
         for n in (1, 3, 8, 40):
             kv = rng.integers(10, 2000, n)
             assert policy.begin_step("adaptive", kv, np.full(n, 7), 1, 7).best_m == \
                 _budget_by_the_formula(policy, tm, kv, 7), (trial, n)
+    if compiled:
+        assert type(policy._one_row[4]).__module__ == "adaspec_cpu_ops"
 
 
 def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():

@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <stdexcept>
 #include <vector>
 
@@ -61,6 +63,9 @@ struct LogisticWeights {
   std::vector<std::vector<double>> w;
 };
 
+// One term of the draft budget: (m, expected tokens, time without the context term, validated tokens).
+using Term = std::tuple<int64_t, double, double, double>;
+
 class OneRow {
  public:
   // f: f(1 + m) in time units for m = 0, 1, ..; per_token: o1; ctx: the sequence's context
@@ -73,6 +78,26 @@ class OneRow {
     e_.push_back(CONF_ONE);
     t_.push_back(fixed);
     div_.push_back(1.0);
+  }
+
+  // The draft budget's terms at batch 1 (controller/one_row.py, set_budget): terms[k] holds
+  // (m, expected, time, verified) for m = 1..k.
+  void set_budget(double b2, double base, int64_t fixed, std::vector<std::vector<Term>> terms, double scale,
+                  double units_per_ms) {
+    b2_ = b2, base_ = base, fixed0_ = fixed, terms_ = std::move(terms), budget_scale_ = scale;
+    units_per_ms_ = units_per_ms;
+    has_budget_ = true;
+  }
+
+  // A new step (restart) and the draft budget's choice of 0..k draft steps: begin's in
+  // controller/one_row.py, the same doubles in the same order.
+  int64_t begin(int64_t kv, int64_t cap, int64_t k) {
+    if (!has_budget_ || k < 0 || k >= int64_t(terms_.size()))
+      throw py::index_error("OneRow.begin: no budget terms for " + std::to_string(k) + " drafts");
+    const double kv_ms = b2_ * double(kv);
+    const int64_t ctx = int64_t(std::nearbyint(kv_ms * units_per_ms_));
+    restart(ctx, fixed0_ + ctx, cap);
+    return best_budget(terms_[size_t(k)], kv_ms);
   }
 
   // A new step of the same time model and logistic weights: no prefix but the empty one.
@@ -170,6 +195,21 @@ class OneRow {
   int64_t drafts() const { return drafts_; }
 
  private:
+#if defined(__clang__)
+  int64_t best_budget(const std::vector<Term>& terms, double kv_ms) const {
+#pragma clang fp contract(off)
+#else
+  __attribute__((optimize("fp-contract=off"))) int64_t best_budget(const std::vector<Term>& terms, double kv_ms) const {
+#endif
+    int64_t best_m = 0;
+    double best = 1.0 / (base_ + kv_ms);
+    for (const auto& [m, expected, fixed, verified] : terms) {
+      const double theta = expected / (fixed + verified * kv_ms);
+      if (theta > best * budget_scale_) best_m = m, best = theta;
+    }
+    return best_m;
+  }
+
   double theta(int64_t m, int64_t d) const {
     const int64_t e = e_[m];
     const double th = double(e) / double(std::max<int64_t>(t_[m] + d + f_.at(size_t(m)) + ((o_ * e) >> CONF_BITS), 1));
@@ -188,6 +228,10 @@ class OneRow {
   bool closed_ = false;
   py::array_t<double> top_, margin_;  // watched buffers
   int64_t watched_rows_ = 0, watched_stride_ = 0;
+  double b2_ = 0.0, base_ = 0.0, budget_scale_ = 1.0, units_per_ms_ = 0.0;  // set_budget's
+  int64_t fixed0_ = 0;
+  std::vector<std::vector<Term>> terms_;
+  bool has_budget_ = false;
 };
 
 }  // namespace
@@ -201,6 +245,9 @@ void bind_one_row(py::module& m) {
            py::arg("f"), py::arg("per_token"), py::arg("ctx"), py::arg("fixed"), py::arg("min_gain"), py::arg("cap"),
            py::arg("weights") = nullptr)
       .def("restart", &OneRow::restart, py::arg("ctx"), py::arg("fixed"), py::arg("cap"))
+      .def("set_budget", &OneRow::set_budget, py::arg("b2"), py::arg("base"), py::arg("fixed"), py::arg("terms"),
+           py::arg("scale"), py::arg("units_per_ms"))
+      .def("begin", &OneRow::begin, py::arg("kv"), py::arg("cap"), py::arg("k"))
       .def("add", &OneRow::add)
       .def("add_logistic", &OneRow::add_logistic)
       .def("best", &OneRow::best)
