@@ -122,6 +122,14 @@ class OneRow:
             raise IndexError("OneRow.next_at: no such row in the watched buffers")
         return self.next(j, float(self.top[j - 1, 0]), float(self.margin[j - 1, 0]))
 
+    def keep_at(self, m: int) -> int:
+        """keep(m), the drafts not yet added read from the watched buffers first."""
+        if not m <= len(self.top):
+            raise IndexError("OneRow.keep_at: no such row in the watched buffers")
+        for j in range(self.drafts, m):
+            self.add_logistic(float(self.top[j, 0]), float(self.margin[j, 0]))
+        return self.keep(m)
+
     def keep(self, m: int) -> int:
         """Drafts to verify of the m drafted."""
         return self.best(self.draft_units[m], m)[0]

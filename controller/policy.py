@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, draft_units, f_table, step_costs
+from controller.decision import draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.step import EXPLORE_EVERY, SpecStep
@@ -233,7 +233,7 @@ class SpecPolicy:
             self._pending_rows += len(verified)
         if rule is not None:  # what the step verified (the rule's choice and exploration's) and got accepted
             verified, accepted = counted if counted is not None else (verified, accepted)
-            self.yields.count_outcomes(verified.tolist() if len(verified) <= SMALL else verified, accepted)
+            self.yields.count_outcomes(verified, accepted)
         self._observed += 1
         if (self.cold and top_prob.shape[1]) or self._observed >= OBSERVE_MAX or \
                 (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):

@@ -28,6 +28,11 @@ class SpecStep:
     at all, only the sequences exploration verifies draft (the others would have to catch up
     on every position since they last drafted, for drafts nobody verifies); None: every one."""
 
+    # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
+    __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "explore", "rows", "costs",
+                 "rule_keep", "conf", "_paths", "_g", "_one", "_watched", "one_row_ok", "max_keep", "max_keep_list",
+                 "kmax", "best_m", "budget")
+
     def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False):
         self.policy, self.mode, self.probe, self.kv, self.model, self.oracle = policy, mode, probe, kv, model, oracle
@@ -43,6 +48,9 @@ class SpecStep:
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
         self._g: float | None = None  # the time model's g(n), asked once per step
         self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
+        self._watched = False  # ... which reads the draft loop's buffers itself (early_stop)
+        # an adaptive batch-1 step on the logistic estimate: its OneRow decides
+        self.one_row_ok = n == 1 and mode == "adaptive" and policy.cfg.adaptive.estimator == "top_prob_logistic"
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
@@ -60,7 +68,7 @@ class SpecStep:
         self.max_keep = max_keep  # (n,) drafts each sequence may verify
         if len(max_keep) <= SMALL:  # small batches: Python ints
             self.max_keep_list = max_keep.tolist()
-            self.kmax = max(self.max_keep_list, default=0)
+            self.kmax = self.max_keep_list[0] if len(max_keep) == 1 else max(self.max_keep_list, default=0)
         else:
             self.max_keep_list, self.kmax = None, int(max_keep.max(initial=0))
 
@@ -72,7 +80,7 @@ class SpecStep:
         (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
         every rank). 0 means a plain decode step. Sets best_m."""
         policy, tm, n = self.policy, self.model, len(self.kv)
-        if self._one_row_ok():  # batch 1: its OneRow answers, term for term (one call, compiled)
+        if self.one_row_ok:  # batch 1: its OneRow answers, term for term (one call, compiled)
             self._one = policy.one_row(tm, self.kmax)
             best_m = self._one.begin(self.kv_list[0], self.max_keep_list[0], k)
         else:
@@ -104,7 +112,7 @@ class SpecStep:
         if self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop:
             return True
         # draft times are predicted, never measured: the same on every rank
-        if self._one_row_ok():
+        if self.one_row_ok:
             return self._one_row().next(j, float(top_prob[0, j - 1]), float(margin[0, j - 1]))
         cols = self._estimates(top_prob, margin, j)
         if not isinstance(cols[0], list):  # large batch: each position's path probabilities quantised once
@@ -119,9 +127,10 @@ class SpecStep:
         position: a callable j -> keep_drafting after j drafts. Batch 1 on the logistic
         estimate: its OneRow's next_at, which reads row j - 1 itself, so the question between
         two draft forwards is one call (compiled, where the kernels load)."""
-        if self.mode == "adaptive" and not self.probe and self.policy.cfg.adaptive.early_stop and self._one_row_ok():
+        if self.one_row_ok and not self.probe and self.policy.cfg.adaptive.early_stop:
             one = self._one_row()
             one.watch(top_prob, margin)
+            self._watched = True
             return one.next_at
         return lambda j: self.keep_drafting(top_prob[:j].T, margin[:j].T, tokens[:j].T)
 
@@ -135,11 +144,14 @@ class SpecStep:
         if self.mode == "static" or m == 0:
             return np.minimum(self.max_keep, m)
         policy = self.policy
-        if self._one_row_ok():
+        if self.one_row_ok:
             one = self._one_row()
-            for j in range(one.drafts, m):  # the last draft (and all of them after a probe's drafting)
-                one.add_logistic(float(top_prob[0, j]), float(margin[0, j]))
-            count = one.keep(m)
+            if self._watched:  # the last draft's estimate read from the draft loop's buffers, in the same call
+                count = one.keep_at(m)
+            else:  # a probe's drafts (no early stop)
+                for j in range(one.drafts, m):
+                    one.add_logistic(float(top_prob[0, j]), float(margin[0, j]))
+                count = one.keep(m)
             self.rule_keep = [count]
             policy.yields.count_drafts(self.max_keep_list, m)
             return np.array([min(self.max_keep_list[0], m) if self.explore else count])
@@ -173,9 +185,6 @@ class SpecStep:
         return out
 
     # ------------------------------------------------------------------ helpers
-    def _one_row_ok(self) -> bool:
-        return len(self.kv) == 1 and self.policy.cfg.adaptive.estimator == "top_prob_logistic"
-
     def _one_row(self):
         """Batch 1's OneRow for this step (SpecPolicy.one_row), begun by the budget (or here,
         where the step had none to choose)."""

@@ -22,28 +22,28 @@ class DraftYields:
         self.drafted = np.zeros(k)
         self.verified = np.zeros(k)
         self.accepted = np.zeros(k)
-        # since the last fold, per sequence-step: the drafts it made that it could verify, verified,
-        # accepted; small batches' as Python ints, large ones' as arrays. Counted into positions at
-        # the fold (`pending`): one histogram per calibration batch, where counting each step cost
-        # batch 1 about 10 us a step.
+        # since the last fold, per sequence-step: the drafts it made that it could verify (small
+        # batches' as Python ints, large ones' as arrays), verified and accepted (arrays). Counted
+        # into positions at the fold (`pending`): one histogram per calibration batch, where
+        # counting each step cost batch 1 about 10 us a step.
         self._values: tuple[list, list, list] = ([], [], [])
         self._arrays: tuple[list, list, list] = ([], [], [])
 
     def count_drafts(self, max_keep, m: int) -> None:
         """A step's drafts: sequence i drafted min(m, max_keep[i]) it could verify (a list or an array)."""
         if isinstance(max_keep, list):
-            self._values[0].extend([v if v < m else m for v in max_keep])
+            if len(max_keep) == 1:  # batch 1
+                v = max_keep[0]
+                self._values[0].append(v if v < m else m)
+            else:
+                self._values[0].extend([v if v < m else m for v in max_keep])
         else:
             self._arrays[0].append(np.minimum(max_keep, m))
 
-    def count_outcomes(self, verified, accepted: np.ndarray) -> None:
-        """Drafts verified per sequence (a list or an array) and, of those, accepted (an array)."""
-        if isinstance(verified, list):
-            self._values[1].extend(verified)
-            self._values[2].extend(accepted.tolist())
-        else:
-            self._arrays[1].append(verified)
-            self._arrays[2].append(accepted)
+    def count_outcomes(self, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """Drafts verified per sequence and, of those, accepted (arrays, held until the fold)."""
+        self._arrays[1].append(verified)
+        self._arrays[2].append(accepted)
 
     def pending(self) -> list[list[int]]:
         """The counts since the last fold: per position j, the drafts made there (that could be

@@ -88,6 +88,37 @@ def test_compiled_one_row_decides_as_the_python_one(ops):
     assert 50 < sum(answers) < len(answers) - 50  # both answers were reached
 
 
+def test_keep_at_reads_the_drafts_not_yet_added_from_the_watched_buffers(ops):
+    """keep_at(m) after some early-stop questions (next_at): the remaining drafts' estimates
+    read from the buffers, then the keep set; equal in both, and to a OneRow told every draft."""
+    rng = np.random.default_rng(2)
+    kept = []
+    for _ in range(300):
+        k = int(rng.integers(1, 8))
+        costs, cap, min_gain = _random_costs(rng, k), int(rng.integers(0, 8)), float(rng.choice([0.0, 0.01]))
+        weights = rng.normal(0, 2, (k, 4)).tolist()
+        draft = [draft_units(float(rng.uniform(0, 3)) * j) for j in range(k + 2)]
+        rates = rng.uniform(0, 1, k + 1).tolist()
+        inputs = rng.uniform(0, 1, (2, k, 1))
+        mine = new_one_row(costs, min_gain, cap, ops.LogisticWeights(weights), ops)
+        ref, told = OneRow(costs, min_gain, cap, weights), OneRow(costs, min_gain, cap, weights)
+        for one in (mine, ref, told):
+            one.set_terms(draft, rates)
+        for one in (mine, ref):
+            one.watch(*inputs)
+        asked, m = sorted(int(x) for x in rng.integers(0, k + 1, 2))
+        for j in range(1, asked + 1):
+            assert mine.next_at(j) == ref.next_at(j)
+        for j in range(m):
+            told.add_logistic(float(inputs[0, j, 0]), float(inputs[1, j, 0]))
+        kept.append(told.keep(m))
+        assert mine.keep_at(m) == ref.keep_at(m) == kept[-1]
+        assert mine.drafts == ref.drafts == m
+    assert len(set(kept)) > 3
+    with pytest.raises(IndexError, match="no such row"):
+        mine.keep_at(k + 1)
+
+
 def test_a_restarted_one_row_is_a_new_one():
     """restart (a later step of the same time model) leaves what a new OneRow for that step has."""
     a = step_costs(TimeModel(b2=0.001, o0=0.2, o1=0.1), [300], 6)

@@ -191,6 +191,12 @@ class OneRow {
   }
   // The keep count after m drafts: best(draft time of m, m).
   int64_t keep(int64_t m) const { return best(draft_units_.at(size_t(m)), m).first; }
+  // keep(m), the drafts not yet added read from the watched buffers first.
+  int64_t keep_at(int64_t m) {
+    if (m > watched_rows_) throw py::index_error("OneRow.keep_at: no such row in the watched buffers");
+    for (int64_t j = drafts_; j < m; ++j) add_logistic(top_.data()[j * watched_stride_], margin_.data()[j * watched_stride_]);
+    return keep(m);
+  }
 
   int64_t drafts() const { return drafts_; }
 
@@ -257,6 +263,7 @@ void bind_one_row(py::module& m) {
       .def("watch", &OneRow::watch, py::arg("top").noconvert(), py::arg("margin").noconvert())
       .def("next_at", &OneRow::next_at, py::arg("j"))
       .def("keep", &OneRow::keep, py::arg("m"))
+      .def("keep_at", &OneRow::keep_at, py::arg("m"))
       .def_property_readonly("drafts", &OneRow::drafts);
   m.def("logistic_estimate", &logistic, "the logistic acceptance estimate of one draft");
 }
