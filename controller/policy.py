@@ -135,7 +135,7 @@ class SpecPolicy:
             # at that position: a sample of the rule's yield for the budget (they are the only rows that drafted)
             rule = np.asarray(step.rule_keep, dtype=np.int64)
             counted = (rule, np.minimum(accepted, rule))
-        self.observe(top_prob, margin, verified, accepted, step.rule_keep, counted)
+        self.observe(top_prob, margin, verified, accepted, step.rule_keep, counted, step.drafted)
 
     def one_row(self, tm: TimeModel, extra: int):
         """Batch 1's OneRow (controller/one_row.py), deciding on the logistic estimate, for steps
@@ -220,22 +220,24 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ calibration
     def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
-                rule=None, counted: tuple | None = None) -> None:
-        """Validation outcomes (top_prob, margin: (n, m) of the drafts that could be verified;
-        rule: what the keep rule chose, None where it did not decide; counted: the (verified,
-        accepted) the draft yields count, when not these).
+                rule=None, counted: tuple | None = None, drafted: tuple | None = None) -> None:
+        """Validation outcomes (top_prob, margin: (n, m) of the drafts made, of which the first
+        max(verified) columns are read, at the calibration batch; rule: what the keep rule chose, None where it did not decide; counted: the (verified,
+        accepted) the draft yields count, when not these; drafted: the step's (max_keep, drafts
+        made), which they count with them, given with rule).
         They reach the calibrators in batches of at least OBSERVE_EVERY steps and
         OBSERVE_ROWS sequence-steps (at most OBSERVE_MAX steps): one fixed cost per batch
         instead of per step (at batch 1 a batch costs about 0.5 ms in the engine), and the
         same batches on every rank."""
-        if top_prob.shape[1]:
-            self._pending.append((top_prob, margin, verified, accepted, rule))
+        width = int(verified.max(initial=0)) if top_prob.shape[1] else 0  # drafts some sequence verified
+        if width:
+            self._pending.append((top_prob, margin, verified, accepted, rule, width))
             self._pending_rows += len(verified)
         if rule is not None:  # what the step verified (the rule's choice and exploration's) and got accepted
             verified, accepted = counted if counted is not None else (verified, accepted)
-            self.yields.count_outcomes(verified, accepted)
+            self.yields.count(*drafted, verified, accepted)
         self._observed += 1
-        if (self.cold and top_prob.shape[1]) or self._observed >= OBSERVE_MAX or \
+        if (self.cold and width) or self._observed >= OBSERVE_MAX or \
                 (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
             self._flush()
 
@@ -265,21 +267,24 @@ class SpecPolicy:
 
 
 def _stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The pending steps' (n_i, w_i) top probabilities and margins as (rows, width) arrays,
-    past a step's width 0 and 1 (nothing was verified there), and each draft's weight:
-    EXPLORE_EVERY for drafts only exploration verified (at or past the rule's choice), which
-    stand for the EXPLORE_EVERY - 1 unverified like them, else 1. Built in a few array
-    operations, not a few per step: at batch 1 a batch of 256 steps took 3.5 ms one by one."""
-    widths = [t.shape[1] for t, *_ in pending]
-    counts = [len(t) for t, *_ in pending]
+    """The pending steps' top probabilities and margins, the first w_i columns of each step's
+    (n_i, m_i) (w_i: the drafts some sequence verified), as (rows, width) arrays, past a step's
+    width 0 and 1 (nothing was verified there), and each draft's weight: EXPLORE_EVERY for
+    drafts only exploration verified (at or past the rule's choice), which stand for the
+    EXPLORE_EVERY - 1 unverified like them, else 1. Built in a few array operations, not a few
+    per step: at batch 1 a batch of 256 steps took 3.5 ms one by one. (Steps hand their whole
+    draft block and the slicing happens here: between forward passes it cost batch 1 about
+    10 us a step.)"""
+    widths = [p[5] for p in pending]
+    counts = [len(p[0]) for p in pending]
     rules: list = []
-    for (t, _, _, _, rule), w in zip(pending, widths):
+    for (t, _, _, _, rule, w) in pending:
         rules.extend([w] * len(t) if rule is None else list(rule))
     width, rows = max(widths), sum(counts)
     col = np.arange(width)[None, :]
     inside = col < np.repeat(np.asarray(widths), counts)[:, None]  # row-major, as each step's ravel
     top, margin, weights = np.zeros((rows, width)), np.ones((rows, width)), np.ones((rows, width))
-    top[inside] = np.concatenate([t.ravel() for t, *_ in pending])
-    margin[inside] = np.concatenate([m.ravel() for _, m, *_ in pending])
+    top[inside] = np.concatenate([t[:, :w].ravel() for t, _, _, _, _, w in pending])
+    margin[inside] = np.concatenate([m[:, :w].ravel() for _, m, _, _, _, w in pending])
     weights[inside & (col >= np.asarray(rules, dtype=np.int64)[:, None])] = float(EXPLORE_EVERY)
     return top, margin, weights

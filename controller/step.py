@@ -30,8 +30,8 @@ class SpecStep:
 
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "explore", "rows", "costs",
-                 "rule_keep", "conf", "_paths", "_g", "_one", "_watched", "one_row_ok", "max_keep", "max_keep_list",
-                 "kmax", "best_m", "budget")
+                 "rule_keep", "drafted", "conf", "_paths", "_g", "_one", "_watched", "one_row_ok", "max_keep",
+                 "max_keep_list", "kmax", "best_m", "budget")
 
     def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False):
@@ -44,6 +44,7 @@ class SpecStep:
         self.rows: list[int] | None = None
         self.costs: StepCosts | None = None  # adaptive steps: the decision's time terms, on first use
         self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
+        self.drafted = None  # ... and (max_keep, drafts made): what the draft yields count at the step's end
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
         self._g: float | None = None  # the time model's g(n), asked once per step
@@ -152,8 +153,7 @@ class SpecStep:
                 for j in range(one.drafts, m):
                     one.add_logistic(float(top_prob[0, j]), float(margin[0, j]))
                 count = one.keep(m)
-            self.rule_keep = [count]
-            policy.yields.count_drafts(self.max_keep_list, m)
+            self.rule_keep, self.drafted = [count], (self.max_keep_list, m)
             return np.array([min(self.max_keep_list[0], m) if self.explore else count])
         by_token = policy.cfg.adaptive.estimator == "token_prob"
         if by_token:
@@ -168,7 +168,7 @@ class SpecStep:
         if isinstance(conf, list):
             keep = self.rule_keep = decide_small(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms,
                                                  self.max_keep_list)
-            policy.yields.count_drafts(self.max_keep_list, m)
+            self.drafted = (self.max_keep_list, m)
             out = list(keep)
             for i in self.explore:
                 out[i] = min(self.max_keep_list[i], m)
@@ -178,8 +178,7 @@ class SpecStep:
         else:  # the early stop's path probabilities, quantised once per position
             keep = decide_paths(capped(np.stack(self._path_cols(m), 1), self.max_keep), self._costs(),
                                 policy.cfg.adaptive.min_gain, draft_ms)
-        self.rule_keep = keep
-        policy.yields.count_drafts(self.max_keep, m)
+        self.rule_keep, self.drafted = keep, (self.max_keep, m)
         out = keep.copy()
         out[self.explore] = np.minimum(self.max_keep[self.explore], m)
         return out

@@ -29,8 +29,10 @@ class DraftYields:
         self._values: tuple[list, list, list] = ([], [], [])
         self._arrays: tuple[list, list, list] = ([], [], [])
 
-    def count_drafts(self, max_keep, m: int) -> None:
-        """A step's drafts: sequence i drafted min(m, max_keep[i]) it could verify (a list or an array)."""
+    def count(self, max_keep, m: int, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """A step's drafts and outcomes: sequence i drafted min(m, max_keep[i]) it could verify
+        (max_keep a list or an array), verified[i] of them, and accepted[i] of those (arrays,
+        held until the fold)."""
         if isinstance(max_keep, list):
             if len(max_keep) == 1:  # batch 1
                 v = max_keep[0]
@@ -39,9 +41,6 @@ class DraftYields:
                 self._values[0].extend([v if v < m else m for v in max_keep])
         else:
             self._arrays[0].append(np.minimum(max_keep, m))
-
-    def count_outcomes(self, verified: np.ndarray, accepted: np.ndarray) -> None:
-        """Drafts verified per sequence and, of those, accepted (arrays, held until the fold)."""
         self._arrays[1].append(verified)
         self._arrays[2].append(accepted)
 

@@ -102,10 +102,10 @@ def _teach(policy: SpecPolicy, rate: float, k: int = 4) -> None:
 def test_a_calibration_batch_lines_up_each_steps_drafts_and_weighs_what_only_exploration_verified():
     """The steps' (n_i, w_i) inputs, one row per sequence-step: zeros and ones past a step's
     width; a draft at or past what the rule chose counts EXPLORE_EVERY times (exploration's)."""
-    top_a = np.array([[0.1, 0.2, 0.3, 0.9], [0.4, 0.5, 0.6, 0.9]])[:, :3]  # a strided view, as the runner's
-    pending = [(top_a, top_a + 0.01, None, None, [1, 3]),  # row 0: the rule kept 1 of 3, exploration the rest
-               (np.array([[0.7]]), np.array([[0.8]]), None, None, None),  # static: every draft counts once
-               (np.array([[0.2, 0.3]]), np.array([[0.25, 0.35]]), None, None, np.array([0]))]
+    top_a = np.array([[0.1, 0.2, 0.3, 0.9, 0.5], [0.4, 0.5, 0.6, 0.9, 0.5]])[:, :4]  # a strided view, as the runner's
+    pending = [(top_a, top_a + 0.01, None, None, [1, 3], 3),  # 4 drafted, 3 at most verified: row 0's rule kept 1
+               (np.array([[0.7]]), np.array([[0.8]]), None, None, None, 1),  # static: every draft counts once
+               (np.array([[0.2, 0.3]]), np.array([[0.25, 0.35]]), None, None, np.array([0]), 2)]
     top, margin, weights = _stacked(pending)
     assert top.tolist() == [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.0, 0.0], [0.2, 0.3, 0.0]]
     assert np.allclose(margin, [[0.11, 0.21, 0.31], [0.41, 0.51, 0.61], [0.8, 1, 1], [0.25, 0.35, 1]])

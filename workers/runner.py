@@ -178,9 +178,8 @@ class ModelRunner:
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
         t0 = time.perf_counter()
-        width = int(keep.max())
-        self.policy.end_step(step, draft.top_prob[:, :width], draft.margin[:, :width], keep,
-                             np.array([o.accepted for o in outputs], dtype=np.int64))
+        self.policy.end_step(step, draft.top_prob, draft.margin, keep, np.array([o.accepted for o in outputs],
+                                                                             dtype=np.int64))
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
             stats.trace = StepTrace(kv.tolist(), step.max_keep.tolist(), _rounded(draft.top_prob),
