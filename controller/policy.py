@@ -41,6 +41,9 @@ class SpecPolicy:
         decides with (the same answers as controller/one_row.py's); None: the Python one."""
         self.cfg = cfg
         self.compiled = compiled
+        # read at every step: one attribute, not a walk through the config (batch 1's Python runs cold)
+        self.one_row_estimator = cfg.adaptive.estimator == "top_prob_logistic"  # batch 1 decides with a OneRow
+        self.early_stop_on = cfg.adaptive.early_stop
         self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
