@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import draft_units, f_table, step_costs
+from controller.decision import SMALL, draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.step import EXPLORE_EVERY, SpecStep
@@ -232,7 +232,9 @@ class SpecPolicy:
         OBSERVE_ROWS sequence-steps (at most OBSERVE_MAX steps): one fixed cost per batch
         instead of per step (at batch 1 a batch costs about 0.5 ms in the engine), and the
         same batches on every rank."""
-        width = int(verified.max(initial=0)) if top_prob.shape[1] else 0  # drafts some sequence verified
+        width = 0  # the drafts some sequence verified
+        if top_prob.shape[1]:
+            width = max(verified.tolist(), default=0) if len(verified) <= SMALL else int(verified.max(initial=0))
         if width:
             self._pending.append((top_prob, margin, verified, accepted, rule, width))
             self._pending_rows += len(verified)

@@ -22,37 +22,33 @@ class DraftYields:
         self.drafted = np.zeros(k)
         self.verified = np.zeros(k)
         self.accepted = np.zeros(k)
-        # since the last fold, per sequence-step: the drafts it made that it could verify (small
-        # batches' as Python ints, large ones' as arrays), verified and accepted (arrays). Counted
-        # into positions at the fold (`pending`): one histogram per calibration batch, where
-        # counting each step cost batch 1 about 10 us a step.
-        self._values: tuple[list, list, list] = ([], [], [])
-        self._arrays: tuple[list, list, list] = ([], [], [])
+        # each step's counts since the last fold, as given: (max_keep, drafts made, verified,
+        # accepted). Counted into positions at the fold (`pending`), one histogram per calibration
+        # batch, where counting each step cost batch 1 about 10 us a step.
+        self._steps: list[tuple] = []
 
     def count(self, max_keep, m: int, verified: np.ndarray, accepted: np.ndarray) -> None:
         """A step's drafts and outcomes: sequence i drafted min(m, max_keep[i]) it could verify
         (max_keep a list or an array), verified[i] of them, and accepted[i] of those (arrays,
         held until the fold)."""
-        if isinstance(max_keep, list):
-            if len(max_keep) == 1:  # batch 1
-                v = max_keep[0]
-                self._values[0].append(v if v < m else m)
-            else:
-                self._values[0].extend([v if v < m else m for v in max_keep])
-        else:
-            self._arrays[0].append(np.minimum(max_keep, m))
-        self._arrays[1].append(verified)
-        self._arrays[2].append(accepted)
+        self._steps.append((max_keep, m, verified, accepted))
 
     def pending(self) -> list[list[int]]:
         """The counts since the last fold: per position j, the drafts made there (that could be
         verified), verified and accepted; each list as long as its deepest position counted."""
-        return [_at_least(values, arrays) for values, arrays in zip(self._values, self._arrays)]
+        values, arrays = [], []  # drafts made: small batches' as Python ints, large ones' as arrays
+        for max_keep, m, _, _ in self._steps:
+            if isinstance(max_keep, list):
+                values.extend([v if v < m else m for v in max_keep])
+            else:
+                arrays.append(np.minimum(max_keep, m))
+        return [_at_least(values, arrays), _at_least([], [s[2] for s in self._steps]),
+                _at_least([], [s[3] for s in self._steps])]
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
         drafted, kept, accepted = self.pending()
-        self._values, self._arrays = ([], [], []), ([], [], [])
+        self._steps = []
         if not drafted:
             return
         m = len(drafted)
