@@ -58,3 +58,21 @@ def test_exploration_teaches_the_estimate_about_drafts_the_rule_passes_over():
     assert abs(est - 0.7) < 0.08
     confident = policy.logistic.estimate(np.array([[CONFIDENT[0]]]), np.array([[CONFIDENT[1]]]))[0, 0]
     assert confident > 0.95
+
+
+def test_the_counts_held_until_the_fold_are_per_position_counts_of_drafts_verified_and_accepted():
+    """Steps' counts as given (a batch-1 list, a small batch's list, a large batch's array),
+    counted into positions at the fold: at position j, the sequences that drafted, verified
+    and got accepted more than j drafts (a sequence drafts at most its cap)."""
+    from controller.yields import DraftYields
+    yields = DraftYields(4)
+    yields.count([3], 2, np.array([2]), np.array([1]))  # batch 1: 2 drafts made, both verified, one accepted
+    yields.count([4, 1, 0], 3, np.array([3, 1, 0]), np.array([0, 1, 0]))  # caps 1 and 0 drafted less
+    yields.count(np.array([4, 4]), 4, np.array([4, 2]), np.array([4, 2]))
+    drafted, verified, accepted = yields.pending()
+    assert drafted == [5, 4, 3, 2]  # > 0: 1 + 2 + 2; > 1: 1 + 1 + 2; > 2: 1 + 2; > 3: 2
+    assert verified == [5, 4, 2, 1]
+    assert accepted == [4, 2, 1, 1]
+    yields.fold()
+    assert yields.drafted.tolist() == [5, 4, 3, 2] and yields.accepted.tolist() == [4, 2, 1, 1]
+    assert yields.pending() == [[], [], []]
