@@ -41,9 +41,6 @@ class SpecPolicy:
         decides with (the same answers as controller/one_row.py's); None: the Python one."""
         self.cfg = cfg
         self.compiled = compiled
-        # read at every step: one attribute, not a walk through the config (batch 1's Python runs cold)
-        self.one_row_estimator = cfg.adaptive.estimator == "top_prob_logistic"  # batch 1 decides with a OneRow
-        self.early_stop_on = cfg.adaptive.early_stop
         self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
@@ -225,9 +222,10 @@ class SpecPolicy:
     def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
                 rule=None, counted: tuple | None = None, drafted: tuple | None = None) -> None:
         """Validation outcomes (top_prob, margin: (n, m) of the drafts made, of which the first
-        max(verified) columns are read, at the calibration batch; rule: what the keep rule chose, None where it did not decide; counted: the (verified,
-        accepted) the draft yields count, when not these; drafted: the step's (max_keep, drafts
-        made), which they count with them, given with rule).
+        max(verified) columns are read, at the calibration batch; rule: what the keep rule
+        chose, None where it did not decide; counted: the (verified, accepted) the draft yields
+        count, when not these; drafted: the step's (max_keep, drafts made), which they count
+        with them, given with rule).
         They reach the calibrators in batches of at least OBSERVE_EVERY steps and
         OBSERVE_ROWS sequence-steps (at most OBSERVE_MAX steps): one fixed cost per batch
         instead of per step (at batch 1 a batch costs about 0.5 ms in the engine), and the

@@ -29,8 +29,8 @@ class SpecStep:
     on every position since they last drafted, for drafts nobody verifies); None: every one."""
 
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
-    __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "explore", "rows", "costs",
-                 "rule_keep", "drafted", "conf", "_paths", "_g", "_one", "_watched", "one_row_ok", "max_keep",
+    __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "explore", "rows",
+                 "costs", "rule_keep", "drafted", "conf", "_paths", "_g", "_one", "_watched", "one_row_ok", "max_keep",
                  "max_keep_list", "kmax", "best_m", "budget")
 
     def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
@@ -51,7 +51,7 @@ class SpecStep:
         self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
         self._watched = False  # ... which reads the draft loop's buffers itself (early_stop)
         # an adaptive batch-1 step on the logistic estimate: its OneRow decides
-        self.one_row_ok = n == 1 and mode == "adaptive" and policy.one_row_estimator
+        self.one_row_ok = n == 1 and mode == "adaptive" and policy.cfg.adaptive.estimator == "top_prob_logistic"
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
@@ -98,7 +98,7 @@ class SpecStep:
             return min(k, best_m + 1)
         # one position of headroom: the early stop, which sees each step's drafts, decides on it
         # (at batch 1 the budget alone stopped at 2 of 3 drafts static-3 verifies to its gain)
-        return min(k, best_m + 1) if best_m and policy.early_stop_on else best_m
+        return min(k, best_m + 1) if best_m and policy.cfg.adaptive.early_stop else best_m
 
     # ------------------------------------------------------------------ early stop
     def keep_drafting(self, top_prob: np.ndarray, margin: np.ndarray, tokens: np.ndarray) -> bool:
@@ -110,7 +110,7 @@ class SpecStep:
         j = top_prob.shape[1]
         if self.mode == "oracle":
             return bool((self._oracle_match(np.asarray(tokens)) >= j).any())
-        if self.mode != "adaptive" or self.probe or not self.policy.early_stop_on:
+        if self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop:
             return True
         # draft times are predicted, never measured: the same on every rank
         if self.one_row_ok:
@@ -128,8 +128,8 @@ class SpecStep:
         position: a callable j -> keep_drafting after j drafts. Batch 1 on the logistic
         estimate: its OneRow's next_at, which reads row j - 1 itself, so the question between
         two draft forwards is one call (compiled, where the kernels load)."""
-        if self.one_row_ok and not self.probe and self.policy.early_stop_on:
-            one = self._one if self._one is not None else self._one_row()
+        if self.one_row_ok and not self.probe and self.policy.cfg.adaptive.early_stop:
+            one = self._one_row()
             one.watch(top_prob, margin)
             self._watched = True
             return one.next_at
@@ -146,7 +146,7 @@ class SpecStep:
             return np.minimum(self.max_keep, m)
         policy = self.policy
         if self.one_row_ok:
-            one = self._one if self._one is not None else self._one_row()
+            one = self._one_row()
             if self._watched:  # the last draft's estimate read from the draft loop's buffers, in the same call
                 count = one.keep_at(m)
             else:  # a probe's drafts (no early stop)

@@ -16,7 +16,7 @@ from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.registry import StepSample
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE = REPO / "docs" / "traces" / "bench-adaptive.jsonl.gz"  # the run before docs/bench-adaptive's (same controller)
+TRACE = REPO / "docs" / "traces" / "bench-adaptive.jsonl.gz"  # an earlier run of docs/bench-adaptive's benchmark
 
 
 class FlatCost:

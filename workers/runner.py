@@ -178,13 +178,13 @@ class ModelRunner:
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
         t0 = time.perf_counter()
-        self.policy.end_step(step, draft.top_prob, draft.margin, keep, np.array([o.accepted for o in outputs],
-                                                                             dtype=np.int64))
+        accepted = np.array([o.accepted for o in outputs], dtype=np.int64)
+        self.policy.end_step(step, draft.top_prob, draft.margin, keep, accepted)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
             stats.trace = StepTrace(kv.tolist(), step.max_keep.tolist(), _rounded(draft.top_prob),
                                     _rounded(draft.margin), _rounded(draft.entropy), keep.tolist(),
-                                    [o.accepted for o in outputs], step.probe)
+                                    accepted.tolist(), step.probe)
         return outputs
 
     def _decode_plain(self, plan: StepPlan, seqs: list[SeqState], kv: np.ndarray, step, stats: StepStats):
