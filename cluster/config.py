@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from cluster.engine.scheduler import PREFILL_ORDERS
 from controller.config import DRAFT_WEIGHTS, ESTIMATORS, METHODS, TIME_MODELS, SpeculativeConfig
 from models.attention import SHORT_QUERY
 from models.config import ModelConfig
@@ -32,6 +33,10 @@ class EngineConfig:
     # (a 48-prompt burst: 253-297 vs 244-258 ms), and a step that ends sooner hands out first tokens
     # sooner: a served burst of 48 requests, TTFT p50 235-262 ms vs 279-387 at 2048
     max_prefill_tokens: int = 512
+    # which waiting prompts are prefilled first: "shortest" (fewest prompt tokens; a prompt that waited
+    # prefill_max_wait_steps steps goes first) or "fcfs" (arrival order). cluster/engine/scheduler.py
+    prefill_order: str = "shortest"
+    prefill_max_wait_steps: int = 64
     max_waiting: int = 1024  # queued requests beyond this are refused
     digest_every: int = 1  # compare rank digests every N steps; 0 never
     trace_path: str | None = None  # append one JSON line per decode step here (cluster/engine/trace.py)
@@ -110,6 +115,7 @@ CHOICES = {
     "speculative.method": METHODS, "speculative.adaptive.estimator": ESTIMATORS, "parallel.device": DEVICES,
     "speculative.adaptive.time_model": TIME_MODELS, "speculative.draft_weights": DRAFT_WEIGHTS,
     "parallel.placement_strategy": PLACEMENTS, "parallel.executor": EXECUTORS, "model.dtype": DTYPE_NAMES,
+    "engine.prefill_order": PREFILL_ORDERS,
 }
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
             "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes", "serve.max_n",
@@ -214,6 +220,9 @@ def validate(cfg: Config) -> None:
     if cfg.serve.engine_threads < 0 or not cfg.serve.stream_interval_ms >= 0:
         raise ConfigError(f"serve.engine_threads={cfg.serve.engine_threads} and serve.stream_interval_ms="
                           f"{cfg.serve.stream_interval_ms} must be >= 0 (0 threads: the rank's own setting)")
+    if cfg.engine.prefill_max_wait_steps < 0:
+        raise ConfigError(f"engine.prefill_max_wait_steps={cfg.engine.prefill_max_wait_steps} must be >= 0 "
+                          "(0: every prompt in arrival order)")
     if not cfg.bench.min_round_s > 0:
         raise ConfigError(f"bench.min_round_s={cfg.bench.min_round_s!r} must be > 0")
     if not all(isinstance(r, (int, float)) and r > 0 for r in cfg.bench.serve_rates):

@@ -77,3 +77,49 @@ def test_forks_share_the_full_prompt_blocks_and_own_the_rest():
     assert s.blocks.refs[parent.block_table[0]] == 2
     s.finish(parent)
     assert s.blocks.refs[child.block_table[0]] == 1 and parent.block_table == []
+
+
+def _prefill_order(s: Scheduler) -> list[int]:
+    """Seq ids in the order their prompts finish prefilling."""
+    done = []
+    while True:
+        plan, seqs = s.schedule()
+        if plan.decode:
+            return done
+        for p, q in zip(plan.seqs, seqs):
+            if p.prefill_last and not q.output_ids:
+                q.output_ids.append(7)
+                done.append(q.seq_id)
+
+
+def _scheduler(order: str, max_wait_steps: int = 64, max_prefill_tokens: int = 8) -> Scheduler:
+    return Scheduler(num_blocks=64, block_size=BS, max_num_seqs=8, max_prefill_tokens=max_prefill_tokens, num_spec=2,
+                     max_model_len=64, prefill_order=order, max_wait_steps=max_wait_steps)
+
+
+def test_shortest_prompts_are_prefilled_first_and_fcfs_keeps_arrival_order():
+    lens = [12, 3, 7, 3, 1]
+    for order, expected in (("shortest", [4, 1, 3, 2, 0]), ("fcfs", [0, 1, 2, 3, 4])):
+        s = _scheduler(order)
+        for i, n in enumerate(lens):
+            s.add(seq(i, n))
+        assert _prefill_order(s) == expected, order
+
+
+def test_a_prompt_that_waited_max_wait_steps_goes_first():
+    s = _scheduler("shortest", max_wait_steps=2, max_prefill_tokens=4)
+    s.add(seq(0, 12))  # long: passed over by the short ones until it has waited 2 steps
+    for i in range(1, 6):
+        s.add(seq(i, 4))
+    assert _prefill_order(s) == [1, 2, 0, 3, 4, 5]  # steps 0 and 1 prefill 1 and 2; from step 2 on 0 goes first
+
+
+def test_a_preempted_sequence_is_recomputed_before_shorter_new_prompts():
+    s = _scheduler("shortest", max_prefill_tokens=64)
+    a = seq(0, 9)
+    s.add(a)
+    _prefill_all(s)
+    s._preempt(a)
+    s.add(seq(1, 2))
+    plan, seqs = s.schedule()
+    assert [q.seq_id for q in seqs] == [0, 1] and plan.seqs[0].prefill == a.prefill_ids

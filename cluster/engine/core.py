@@ -46,7 +46,8 @@ class Engine:
         self.max_model_len = min(cfg.model.max_model_len, self.arch.max_position_embeddings - cfg.speculative.k - 1)
         self.workers = workers if workers is not None else make_worker_group(cfg)
         self.scheduler = Scheduler(cfg.cache.num_blocks, cfg.cache.block_size, cfg.engine.max_num_seqs,
-                                   cfg.engine.max_prefill_tokens, cfg.speculative.k, self.max_model_len)
+                                   cfg.engine.max_prefill_tokens, cfg.speculative.k, self.max_model_len,
+                                   cfg.engine.prefill_order, cfg.engine.prefill_max_wait_steps)
         adaptive = cfg.speculative.adaptive.enabled and cfg.speculative.enabled
         self.time_models: TimeModelLink | None = self._start_time_models() if adaptive else None
         self.time_model_version = self.time_models.report().version if self.time_models else 0

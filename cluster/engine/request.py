@@ -83,6 +83,7 @@ class Sequence:
     oracle_ids: list[int] | None = None  # benchmark oracle: the target-only reference output
     forks: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, forked when this one's prefill ends
     arrival: float = field(default_factory=time.monotonic)
+    queued_step: int = 0  # the scheduler step it was queued at (its prefill order: cluster/engine/scheduler.py)
     first_token_time: float | None = None
 
     @property
