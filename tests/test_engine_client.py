@@ -112,6 +112,68 @@ def test_a_first_text_or_an_end_goes_out_alone_and_the_other_streams_keep_the_in
     assert np.median(late) < INTERVAL_S / 4  # the short requests' ends, at once
 
 
+class _Slow:
+    """Three long steps; adds (an empty prompt is refused) and aborts are logged with the
+    number of steps done when they reached the engine."""
+
+    decoder = object()
+    STEP_S = 0.3
+
+    def __init__(self):
+        self.stats = SimpleNamespace(steps=0)
+        self.log: list[tuple[str, str, int]] = []
+
+    def has_work(self) -> bool:
+        return self.stats.steps < 3
+
+    def add_request(self, prompt, params, request_id):
+        from cluster.engine.request import RequestError
+
+        if not prompt:
+            raise RequestError("prompt is empty", "prompt")
+        self.log.append(("add", request_id, self.stats.steps))
+
+    def abort(self, request_id):
+        self.log.append(("abort", request_id, self.stats.steps))
+        return 1
+
+    def step(self):
+        time.sleep(self.STEP_S)
+        self.stats.steps += 1
+        return []
+
+
+def test_submitted_requests_do_not_wait_for_the_step_and_all_reach_the_next_one():
+    """Adds and aborts submitted during a step return at once and are applied, in order,
+    before the next step, all of them, whichever submit brought them; each submit's answer
+    names the refused add."""
+    import threading
+
+    from cluster.engine.request import RequestError
+
+    engine = _Slow()
+    loop = EngineLoop(engine)
+    answers, answered = [], threading.Event()
+
+    def done(errors):
+        answers.append(errors)
+        if len(answers) == 2:
+            answered.set()
+
+    try:
+        time.sleep(_Slow.STEP_S / 4)  # inside the first step
+        took = time.monotonic()
+        loop.submit([("add", "a", [1], None), ("add", "b", [], None)], done)
+        loop.submit([("abort", "a"), ("add", "c", [2], None)], done)
+        took = time.monotonic() - took
+        assert answered.wait(5)
+    finally:
+        loop.shutdown()
+    assert took < _Slow.STEP_S / 4  # not held until the step ended
+    assert engine.log == [("add", "a", 1), ("abort", "a", 1), ("add", "c", 1)]  # all before the second step
+    assert answers[0][0] is None and isinstance(answers[0][1], RequestError) and answers[1] == [None]
+
+
 def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_dies(ray_session):
     """The replica's side against a real engine actor: a stream's updates join to the engine's
     own tokens; killing the actor mid-stream ends every open stream with EngineDeadError (no
@@ -155,8 +217,8 @@ def test_update_stream_brings_every_token_and_fails_open_streams_when_the_actor_
 
 
 class _Loop:
-    """An EngineLoop stand-in for the channel: adds are recorded (a prompt of [] is refused),
-    and so is how many calls brought them; each poll hands out what was queued, and once
+    """An EngineLoop stand-in for the channel: adds and aborts are recorded (a prompt of [] is
+    refused), and so is how many submits brought them; each poll hands out what was queued, and once
     `dead` is set polls raise EngineDeadError."""
 
     def __init__(self):
@@ -164,12 +226,16 @@ class _Loop:
 
         self.added, self.aborted, self.batches, self.dead, self.calls = [], [], queue.Queue(), False, 0
 
-    def add_all(self, requests):
+    def submit(self, requests, done):
         from cluster.engine.request import RequestError
 
         self.calls += 1
         errors = []
-        for request_id, prompt, params in requests:
+        for kind, request_id, *rest in requests:
+            if kind == "abort":
+                self.aborted.append(request_id)
+                continue
+            prompt = rest[0]
             if not prompt:
                 errors.append(RequestError("prompt is empty", "prompt"))
                 continue
@@ -177,11 +243,7 @@ class _Loop:
             self.added.append(request_id)
             self.batches.put([RequestOutput(request_id=request_id, sample_index=0, prompt_ids=prompt, token_ids=[7],
                                             text="x", finished=True, finish_reason="length", new_token_ids=[7])])
-        return errors
-
-    def abort(self, request_id):
-        self.aborted.append(request_id)
-        return 0
+        done(errors)
 
     def poll(self, timeout_s, interval_s=0.0):
         import queue
@@ -199,8 +261,8 @@ class _Loop:
 
 def test_channel_serves_only_the_token_holder_and_carries_adds_errors_updates_and_the_end():
     """The replica's connection to the engine actor: a connection without the token is closed
-    unread; adds that arrive together are queued in one call and answered (a refused one with
-    its error, param kept), aborts follow in order, the loop's updates come as frames, and a
+    unread; adds and aborts that arrive together are queued in one submit, in order, and the
+    adds answered (a refused one with its error, param kept), the loop's updates come as frames, and a
     dead loop's last frame says so before the end."""
     import asyncio
     import socket
@@ -219,7 +281,7 @@ def test_channel_serves_only_the_token_holder_and_carries_adds_errors_updates_an
             intruder.settimeout(5)
             assert intruder.recv(1) == b""  # closed unread
         channel = await Channel.connect(server.address, server.token)
-        # a burst: both adds arrive in one read and are queued under one wait for the engine
+        # a burst: both adds and the abort arrive in one read and are queued together
         channel.writer.write(encode(("add", 0, "r0", [1, 2], None)) + encode(("add", 1, "r1", [], None))
                              + encode(("abort", "r0")))
         frames = [await asyncio.wait_for(channel.receive(), 5) for _ in range(3)]

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import pickle
+import queue
 import secrets
 import socket
 import struct
@@ -57,8 +57,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class ChannelServer:
-    """(in the engine actor) Serves the replica's connection: requests in on one thread,
-    the engine loop's updates out on another."""
+    """(in the engine actor) Serves the replica's connection: requests in on one thread
+    (queued for the engine loop without waiting for its step), their answers and the
+    engine loop's updates out on two others."""
 
     def __init__(self, loop, interval_s: float, host: str):
         """loop: the EngineLoop; interval_s: the least time between two batches of updates
@@ -69,11 +70,13 @@ class ChannelServer:
         self.address = (host, self._listener.getsockname()[1])
         self._conn: socket.socket | None = None
         self._send_lock = threading.Lock()
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()  # ("added", ...) frames to send; None: stop
         self._closed = False
         threading.Thread(target=self._serve, name="adaspec-channel", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True
+        self._answers.put(None)
         for sock in (self._listener, self._conn):
             if sock is not None:
                 try:
@@ -88,6 +91,7 @@ class ChannelServer:
             return
         self._conn = conn
         threading.Thread(target=self._send_updates, name="adaspec-channel-out", daemon=True).start()
+        threading.Thread(target=self._send_answers, name="adaspec-channel-answers", daemon=True).start()
         self._read_requests()
 
     def _accept(self) -> socket.socket | None:
@@ -136,18 +140,31 @@ class ChannelServer:
             self.close()  # the sender stops too
 
     def _handle(self, messages: list) -> None:
-        """Adds that arrived together are queued under one wait for the engine, so a burst of
-        requests is prefilled before the next decode step; everything in arrival order."""
-        for kind, group in itertools.groupby(messages, key=lambda m: m[0]):
-            group = list(group)
-            if kind == "add":
-                errors = self.loop.add_all([m[2:] for m in group])
-                self._send(*[("added", m[1], error) for m, error in zip(group, errors)])
-            elif kind == "abort":
-                for m in group:
-                    self.loop.abort(m[1])
+        """Adds and aborts, in arrival order, queued for the engine loop's next step; the adds'
+        answers go out (`_send_answers`) once the loop has applied them."""
+        requests, call_ids = [], []
+        for message in messages:
+            if message[0] == "add":
+                requests.append(("add", *message[2:]))
+                call_ids.append(message[1])
+            elif message[0] == "abort":
+                requests.append(message)
             else:
-                log.error("unknown frame %r from the replica", kind)
+                log.error("unknown frame %r from the replica", message[0])
+        if requests:
+            self.loop.submit(requests, lambda errors: self._answers.put(
+                [("added", call_id, error) for call_id, error in zip(call_ids, errors)]))
+
+    def _send_answers(self) -> None:
+        try:
+            while (frames := self._answers.get()) is not None:
+                if frames:
+                    self._send(*frames)
+        except OSError:
+            if not self._closed:
+                log.debug("the replica's connection broke", exc_info=True)
+        finally:
+            self.close()
 
     def _send_updates(self) -> None:
         from cluster.serving.engine_loop import EngineDeadError
