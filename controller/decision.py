@@ -182,41 +182,53 @@ def capped(a: np.ndarray, max_keep) -> np.ndarray:
 
 
 def decide_paths(a: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float, refine: bool = True,
-                 scored: bool = False):
+                 scored: bool = False, compiled=None):
     """The numpy rule from (n, k) quantised path probabilities, 0 where a draft may not be kept
-    (a caller that keeps them across a step's decisions skips quantising them again)."""
-    n, k = a.shape
+    (a caller that keeps them across a step's decisions skips quantising them again).
+    compiled: the CPU kernels' module, whose rank_best gives the same answers faster."""
     ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
-    live = int((a > 0).sum())
-    f = costs.f[:live + 1]
-    base = draft_units(draft_ms) + costs.fixed + costs.ctx_sum + f
-    # Ranked by key desc, then j asc, then i asc: a stable sort on -key over a j-major layout.
-    a_jmajor = a.T.reshape(-1)  # index = j * n + i
-    dead = a_jmajor <= 0  # rank last: never kept
-
-    def best_of(key):
-        order = np.argsort(-np.where(dead, np.iinfo(np.int64).min + 1, key), kind="stable")[:live]
-        e = n * CONF_ONE + np.concatenate(([0], np.cumsum(a_jmajor[order])))
-        t = base + np.concatenate(([0], np.cumsum(ctx[order % n]))) + ((costs.per_token * e) >> CONF_BITS)
-        count, score = _best_prefix(e / np.maximum(t, 1), min_gain)
-        return order % n, count, score, int(e[count]), int(t[count])
-
+    head = draft_units(draft_ms) + costs.fixed + costs.ctx_sum
+    rank = compiled.rank_best if compiled is not None else rank_best
     if costs.uniform:
-        seq, count, score, *_ = best_of(a_jmajor)
+        keep, _, score, *_ = rank(a, 0, 0, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
     else:
-        ctx_jmajor = np.tile(ctx, k)
-        s = max((int(f[-1]) - int(f[0])) // max(live, 1), 1)
-        seq, count, score, e, t = best_of((a_jmajor << RATIO_BITS) // (s + ctx_jmajor))
+        live = int((a > 0).sum())
+        s = max((int(costs.f[live]) - int(costs.f[0])) // max(live, 1), 1)
+        keep, _, score, e, t = rank(a, 1, s, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
         for _ in range(REFINE_ROUNDS if refine else 0):
             d = t * CONF_ONE - e * costs.per_token
             if d <= 0:
                 break
-            got = best_of(a_jmajor * d - e * CONF_ONE * ctx_jmajor)
+            got = rank(a, 2, 0, d, e, ctx, costs.f, head, costs.per_token, min_gain)
             if got[2] <= score:
                 break
-            seq, count, score, e, t = got
-    keep = np.bincount(seq[:count], minlength=n).astype(np.int64)
+            keep, _, score, e, t = got
     return (keep, score) if scored else keep
+
+
+def rank_best(a: np.ndarray, mode: int, s: int, d: int, e0: int, ctx: np.ndarray, f: np.ndarray, head: int,
+              per_token: int, min_gain: float) -> tuple[np.ndarray, int, float, int, int]:
+    """Rank every candidate (i, j) with a[i, j] > 0 by its key, largest first (ties: smaller j,
+    then smaller i: a stable sort over the j-major layout), and take the ranking's best
+    prefix. Keys: a (mode 0), the ratio a << RATIO_BITS // (s + ctx_i) (mode 1), Dinkelbach's
+    a d - e0 CONF_ONE ctx_i (mode 2). f: validation time by added tokens; head: the step's
+    other time. Returns (keep per sequence, kept count, score, E and T of that prefix).
+    models/csrc/rank.cpp computes the same, bit for bit."""
+    n, k = a.shape
+    a_j = a.T.reshape(-1)  # index = j * n + i
+    live_mask = a_j > 0
+    live = int(live_mask.sum())
+    if mode == 0:
+        key = a_j
+    else:
+        ctx_j = np.tile(ctx, k)
+        key = (a_j << RATIO_BITS) // (s + ctx_j) if mode == 1 else a_j * d - e0 * CONF_ONE * ctx_j
+    order = np.argsort(-np.where(live_mask, key, np.iinfo(np.int64).min + 1), kind="stable")[:live]
+    e = n * CONF_ONE + np.concatenate(([0], np.cumsum(a_j[order])))
+    t = head + f[:live + 1] + np.concatenate(([0], np.cumsum(ctx[order % n]))) + ((per_token * e) >> CONF_BITS)
+    count, score = _best_prefix(e / np.maximum(t, 1), min_gain)
+    keep = np.bincount(order[:count] % n, minlength=n).astype(np.int64)
+    return keep, count, score, int(e[count]), int(t[count])
 
 
 def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, draft_ms: float,

@@ -32,12 +32,14 @@ def worth_drafting(cols: list, costs: StepCosts, min_gain: float, stop_ms: float
 
 
 def worth_drafting_paths(paths: list[np.ndarray], costs: StepCosts, min_gain: float, stop_ms: float, go_ms: float,
-                         rate: float, cap: np.ndarray) -> bool:
+                         rate: float, cap: np.ndarray, compiled=None) -> bool:
     """worth_drafting for a large batch whose drafted positions' path probabilities are already
     quantised (path_probs' columns, before the cap): the same integers, so the same answer,
-    without quantising every column again at each draft step."""
+    without quantising every column again at each draft step. compiled: as decide_paths'."""
     j = len(paths)
     ahead = np.stack(paths + [(paths[-1] * int(quantize(rate))) >> CONF_BITS], 1)
     ahead = capped(ahead, cap)
-    keep, go = decide_paths(ahead, costs, min_gain, go_ms, refine=False, scored=True)
-    return int(keep.max()) > j and go > decide_paths(ahead[:, :j], costs, min_gain, stop_ms, False, True)[1]
+    keep, go = decide_paths(ahead, costs, min_gain, go_ms, refine=False, scored=True, compiled=compiled)
+    if int(keep.max()) <= j:
+        return False
+    return go > decide_paths(ahead[:, :j], costs, min_gain, stop_ms, False, True, compiled)[1]

@@ -119,7 +119,7 @@ class SpecStep:
         if not isinstance(cols[0], list):  # large batch: each position's path probabilities quantised once
             return worth_drafting_paths(self._path_cols(j), self._costs(), self.policy.cfg.adaptive.min_gain,
                                         self._draft_ms(j), self._draft_ms(j + 1), self.policy.next_rates[j],
-                                        self.max_keep)
+                                        self.max_keep, self.policy.compiled)
         return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
                               self._draft_ms(j + 1), self.policy.next_rates[j], self.max_keep_list)
 
@@ -177,7 +177,7 @@ class SpecStep:
             keep = decide_with(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms, self.max_keep)
         else:  # the early stop's path probabilities, quantised once per position
             keep = decide_paths(capped(np.stack(self._path_cols(m), 1), self.max_keep), self._costs(),
-                                policy.cfg.adaptive.min_gain, draft_ms)
+                                policy.cfg.adaptive.min_gain, draft_ms, compiled=policy.compiled)
         self.rule_keep, self.drafted = keep, (self.max_keep, m)
         out = keep.copy()
         out[self.explore] = np.minimum(self.max_keep[self.explore], m)

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from controller.decision import (CONF_ONE, SMALL, _decide_numpy, decide_small, decide, path_probs, quantize,
+from controller.decision import (CONF_ONE, SMALL, _decide_numpy, capped, decide_small, decide, path_probs, quantize,
                                  step_costs)
 from controller.time_model import TimeModel
 
@@ -276,3 +276,49 @@ def test_early_stop_from_kept_path_probabilities_equals_the_rule():
         assert got == worth_drafting([conf[:, c] for c in range(j)], costs, min_gain, stop_ms, go_ms, rate, cap)
         answers.append(got)
     assert 10 < sum(answers) < 290, sum(answers)  # both answers were reached (24 True here)
+
+
+def test_compiled_ranking_is_the_numpy_one_bit_for_bit(ops):
+    """models/csrc/rank.cpp's rank_best against decision.py's: every key (plain, ratio,
+    Dinkelbach), min_gain, ties (few distinct confidences), drafts that may not be kept, and
+    context lengths of 0; the same keep, count, score (the same double), E and T."""
+    from controller.decision import rank_best
+
+    rng = np.random.default_rng(3)
+    for case in range(400):
+        n, k = int(rng.integers(1, 300)), int(rng.integers(1, 9))
+        tm = TimeModel(1, b0=float(rng.uniform(1, 5)), b1=float(rng.uniform(0.001, 0.2)),
+                       b2=float(rng.choice([0.0, 1e-5, 1e-4])), o1=float(rng.choice([0.0, 0.05])))
+        kv = rng.integers(0, 500, n)
+        costs = step_costs(tm, kv, n * k)
+        levels = rng.choice([0.0, 0.25, 0.5, 0.9, 1.0], size=(n, k)) if case % 2 else rng.beta(2, 1, (n, k))
+        a = capped(path_probs(quantize(levels)), rng.integers(0, k + 1, n))
+        mode = case % 3
+        ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
+        args = (a, mode, int(rng.integers(1, 1000)), int(rng.integers(-10**6, 10**9)), int(rng.integers(0, 10**6)),
+                ctx, costs.f, int(rng.integers(0, 10**5)), costs.per_token, float(rng.choice([0.0, 0.01, 0.1])))
+        want, got = rank_best(*args), ops.rank_best(*args)
+        assert np.array_equal(got[0], want[0]) and got[1:] == want[1:], case
+
+
+def test_the_rule_and_the_early_stop_decide_the_same_compiled(ops):
+    """decide_paths (with its Dinkelbach rounds) and the large batch's early stop give the
+    same answers with the compiled ranking as with numpy's."""
+    from controller.decision import decide_paths
+    from controller.early_stop import worth_drafting_paths
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        n, j = int(rng.integers(16, 260)), int(rng.integers(1, 8))
+        tm = TimeModel(1, b0=float(rng.uniform(1, 5)), b1=float(rng.uniform(0.001, 0.2)),
+                       b2=float(rng.choice([0.0, 1e-5, 1e-4])), o1=float(rng.choice([0.0, 0.05])))
+        costs = step_costs(tm, rng.integers(10, 900, n), n * 8)
+        paths = path_probs(quantize(rng.beta(float(rng.uniform(0.5, 5)), 1.0, size=(n, j))))
+        cap, min_gain = rng.integers(0, 8, n), float(rng.choice([0.0, 0.01]))
+        a = capped(paths, cap)
+        for refine in (True, False):
+            want = decide_paths(a, costs, min_gain, 0.5, refine, True)
+            got = decide_paths(a, costs, min_gain, 0.5, refine, True, compiled=ops)
+            assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+        args = ([paths[:, c] for c in range(j)], costs, min_gain, 0.3, 0.4, float(rng.uniform(0.3, 1.0)), cap)
+        assert worth_drafting_paths(*args, compiled=ops) == worth_drafting_paths(*args)
