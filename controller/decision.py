@@ -206,6 +206,18 @@ def decide_paths(a: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: flo
     return (keep, score) if scored else keep
 
 
+def decide_cols(cols: list[np.ndarray], cap: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float,
+                compiled=None) -> np.ndarray:
+    """decide_paths from the drafted positions' path probabilities, one column each, before
+    each sequence's cap: compiled in one call where the kernels load."""
+    if compiled is None:
+        return decide_paths(capped(np.stack(cols, 1), cap), costs, min_gain, draft_ms)
+    ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
+    head = draft_units(draft_ms) + costs.fixed + costs.ctx_sum
+    return compiled.decide_cols(cols, cap, ctx, costs.f, head, costs.per_token, min_gain, costs.uniform,
+                                REFINE_ROUNDS)[0]
+
+
 def rank_best(a: np.ndarray, mode: int, s: int, d: int, e0: int, ctx: np.ndarray, f: np.ndarray, head: int,
               per_token: int, min_gain: float) -> tuple[np.ndarray, int, float, int, int]:
     """Rank every candidate (i, j) with a[i, j] > 0 by its key, largest first (ties: smaller j,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import CONF_BITS, StepCosts, capped, decide_paths, decide_scored, quantize
+from controller.decision import CONF_BITS, StepCosts, capped, decide_paths, decide_scored, draft_units, quantize
 
 
 def worth_drafting(cols: list, costs: StepCosts, min_gain: float, stop_ms: float, go_ms: float, rate: float,
@@ -37,6 +37,11 @@ def worth_drafting_paths(paths: list[np.ndarray], costs: StepCosts, min_gain: fl
     quantised (path_probs' columns, before the cap): the same integers, so the same answer,
     without quantising every column again at each draft step. compiled: as decide_paths'."""
     j = len(paths)
+    if compiled is not None:  # the same two rankings in one call (models/csrc/rank.cpp)
+        ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
+        head = costs.fixed + costs.ctx_sum
+        return compiled.worth_drafting(paths, cap, int(quantize(rate)), ctx, costs.f, draft_units(stop_ms) + head,
+                                       draft_units(go_ms) + head, costs.per_token, min_gain, costs.uniform)
     ahead = np.stack(paths + [(paths[-1] * int(quantize(rate))) >> CONF_BITS], 1)
     ahead = capped(ahead, cap)
     keep, go = decide_paths(ahead, costs, min_gain, go_ms, refine=False, scored=True, compiled=compiled)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import (CONF_BITS, SMALL, StepCosts, capped, decide_paths, decide_small, decide_with,
-                                 quantize, step_costs)
+from controller.decision import (CONF_BITS, SMALL, StepCosts, decide_cols, decide_small, decide_with, quantize,
+                                 step_costs)
 from controller.early_stop import worth_drafting, worth_drafting_paths
 from controller.time_model import TimeModel
 
@@ -176,8 +176,8 @@ class SpecStep:
         if by_token:
             keep = decide_with(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms, self.max_keep)
         else:  # the early stop's path probabilities, quantised once per position
-            keep = decide_paths(capped(np.stack(self._path_cols(m), 1), self.max_keep), self._costs(),
-                                policy.cfg.adaptive.min_gain, draft_ms, compiled=policy.compiled)
+            keep = decide_cols(self._path_cols(m), self.max_keep, self._costs(), policy.cfg.adaptive.min_gain, draft_ms,
+                               policy.compiled)
         self.rule_keep, self.drafted = keep, (self.max_keep, m)
         out = keep.copy()
         out[self.explore] = np.minimum(self.max_keep[self.explore], m)

@@ -302,12 +302,13 @@ def test_compiled_ranking_is_the_numpy_one_bit_for_bit(ops):
 
 
 def test_the_rule_and_the_early_stop_decide_the_same_compiled(ops):
-    """decide_paths (with its Dinkelbach rounds) and the large batch's early stop give the
-    same answers with the compiled ranking as with numpy's."""
-    from controller.decision import decide_paths
+    """decide_paths (with its Dinkelbach rounds), the large batch's keep set from its columns
+    and its early stop give the same answers compiled as with numpy."""
+    from controller.decision import decide_cols, decide_paths
     from controller.early_stop import worth_drafting_paths
 
     rng = np.random.default_rng(11)
+    answers = []
     for _ in range(200):
         n, j = int(rng.integers(16, 260)), int(rng.integers(1, 8))
         tm = TimeModel(1, b0=float(rng.uniform(1, 5)), b1=float(rng.uniform(0.001, 0.2)),
@@ -316,9 +317,14 @@ def test_the_rule_and_the_early_stop_decide_the_same_compiled(ops):
         paths = path_probs(quantize(rng.beta(float(rng.uniform(0.5, 5)), 1.0, size=(n, j))))
         cap, min_gain = rng.integers(0, 8, n), float(rng.choice([0.0, 0.01]))
         a = capped(paths, cap)
-        for refine in (True, False):
+        for refine in (False, True):
             want = decide_paths(a, costs, min_gain, 0.5, refine, True)
             got = decide_paths(a, costs, min_gain, 0.5, refine, True, compiled=ops)
             assert np.array_equal(got[0], want[0]) and got[1] == want[1]
-        args = ([paths[:, c] for c in range(j)], costs, min_gain, 0.3, 0.4, float(rng.uniform(0.3, 1.0)), cap)
-        assert worth_drafting_paths(*args, compiled=ops) == worth_drafting_paths(*args)
+        cols = [paths[:, c] for c in range(j)]  # the keep set refines (want: refine=True's)
+        assert np.array_equal(decide_cols(cols, cap, costs, min_gain, 0.5, ops), want[0])
+        go_ms = 0.3 + float(rng.choice([0.001, 0.05, 0.5]))
+        args = ([paths[:, c] for c in range(j)], costs, min_gain, 0.3, go_ms, float(rng.uniform(0.3, 1.0)), cap)
+        answers.append(worth_drafting_paths(*args))
+        assert worth_drafting_paths(*args, compiled=ops) == answers[-1]
+    assert 5 <= sum(answers) <= 195, sum(answers)  # both answers were reached (10 True here)
