@@ -119,12 +119,15 @@ class LogisticCalibrator:
         z = (x * self.w[None, : x.shape[1]]).sum(-1)
         return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
-    def estimate_column(self, top_prob, margin, j: int):
-        """Position j's estimates for one column: plain Python for lists (a few values:
-        numpy's per-call cost would dominate), vectorised for arrays."""
+    def estimate_column(self, top_prob, margin, j: int, compiled=None):
+        """Position j's estimates for one column, each the same double as estimate_one's:
+        a list for lists (a few values: numpy's per-call cost would dominate), an array for
+        arrays, computed by the kernels' logistic_column where compiled is given (the
+        same libm calls in the same order), else draft by draft."""
         if not isinstance(top_prob, list):
-            x = self.features(top_prob, margin)
-            return 1.0 / (1.0 + np.exp(-np.clip(x @ self.w[j], -60.0, 60.0)))
+            if compiled is not None:
+                return compiled.logistic_column(self._w[j], top_prob, margin)
+            return np.array([self.estimate_one(float(p), float(m), j) for p, m in zip(top_prob, margin)])
         return [self.estimate_one(p, m, j) for p, m in zip(top_prob, margin)]
 
     def estimate_one(self, p: float, m: float, j: int) -> float:

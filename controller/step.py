@@ -239,7 +239,7 @@ class SpecStep:
             col = col.tolist() if small else np.asarray(col, dtype=np.float64)
             if est == "top_prob_logistic":
                 m = m.tolist() if small else np.asarray(m, dtype=np.float64)
-                col = policy.logistic.estimate_column(col, m, j)
+                col = policy.logistic.estimate_column(col, m, j, policy.compiled)
             elif est == "top_prob_calibrated":
                 col = policy.calibrator.estimate(np.asarray(col, dtype=np.float64)[:, None], start=j)[:, 0]
                 col = col.tolist() if small else col

@@ -226,3 +226,50 @@ def test_the_last_steps_of_a_sequence_reuse_batch_1s_one_row_and_decide_as_one_b
             assert one.keep(j) == ref.keep(j)
     assert len(built) == 1
     assert 5 < sum(answers) < len(answers) - 5  # both answers were reached
+
+
+def test_a_column_of_logistic_estimates_is_the_same_doubles(ops):
+    """A large batch's position estimated by the kernels (logistic_column), from float32 and
+    float64 columns, edges included: each the same double as the per-draft formula."""
+    rng = np.random.default_rng(2)
+    edges = np.array([0.0, 1e-300, 1e-4, 0.5, 1 - 1e-4, 1.0, 1.5, -0.2])
+    top = np.concatenate([np.repeat(edges, len(edges)), rng.uniform(0, 1, 3000)])
+    margin = np.concatenate([np.tile(edges, len(edges)), rng.uniform(0, 1, 3000)])
+    for dtype in (np.float64, np.float32):
+        p, m = top.astype(dtype), margin.astype(dtype)
+        w = rng.normal(0, 3, 4).tolist()
+        want = [logistic_estimate(w, float(a), float(b)) for a, b in zip(p, m)]
+        assert ops.logistic_column(w, p, m).tolist() == want
+
+
+def test_a_large_batch_decides_the_same_compiled_and_not(ops):
+    """Adaptive-7 at batch 40 over 60 steps of random drafts, one policy with the kernels and
+    one without: the same budgets, early-stop answers and keep sets every step."""
+    cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True))
+    policies = [SpecPolicy(cfg, compiled=c) for c in (ops, None)]
+    for policy in policies:  # drafting pays at this batch size: the step drafts and decides
+        policy.install(TimeModel(version=1, b0=8.0, b1=0.01, b2=1e-6, d0=0.3, d1=0.001, o0=0.3))
+    rng = np.random.default_rng(5)
+    n, k, stops, kept = 40, 7, 0, 0
+    for _ in range(60):
+        kv, cap = rng.integers(100, 900, n), rng.integers(0, k + 1, n)
+        top = rng.beta(2, 1, (k, n)).astype(np.float32)
+        margin = (top * rng.uniform(0.3, 1, (k, n))).astype(np.float32)
+        accepted, seen = rng.integers(0, k + 1, n), []
+        for policy in policies:
+            step = policy.begin_step("adaptive", kv, cap, 1, k)
+            more, m, answers = step.early_stop(top, margin, np.zeros((k, n), dtype=np.int64)), 0, []
+            while m < step.budget:
+                m += 1
+                if m == step.budget:
+                    break
+                answers.append(more(m))
+                if not answers[-1]:
+                    break
+            keep = step.keep(top[:m].T, top[:m].T, margin[:m].T, np.zeros((n, m), dtype=np.int64))
+            policy.end_step(step, top[:m].T, margin[:m].T, keep, np.minimum(keep, accepted))
+            seen.append((step.budget, answers, keep.tolist()))
+        assert seen[0] == seen[1]
+        stops += not all(seen[0][1])
+        kept += sum(seen[0][2])
+    assert stops and kept  # the early stop stopped some steps, and drafts were kept

@@ -242,6 +242,20 @@ class OneRow {
 
 }  // namespace
 
+// logistic() over a column of drafts (a large batch's position): the same double per draft.
+py::array_t<double> logistic_column(const std::vector<double>& w,
+                                    py::array_t<double, py::array::c_style | py::array::forcecast> top,
+                                    py::array_t<double, py::array::c_style | py::array::forcecast> margin) {
+  if (top.ndim() != 1 || margin.ndim() != 1 || top.size() != margin.size())
+    throw py::value_error("top probabilities and margins must be columns of the same length");
+  const double* p = top.data();
+  const double* mg = margin.data();
+  py::array_t<double> out(top.size());
+  double* o = out.mutable_data();
+  for (py::ssize_t i = 0; i < top.size(); ++i) o[i] = logistic(w, p[i], mg[i]);
+  return out;
+}
+
 void bind_one_row(py::module& m) {
   py::class_<LogisticWeights, std::shared_ptr<LogisticWeights>>(m, "LogisticWeights")
       .def(py::init<std::vector<std::vector<double>>>());
@@ -266,4 +280,6 @@ void bind_one_row(py::module& m) {
       .def("keep_at", &OneRow::keep_at, py::arg("m"))
       .def_property_readonly("drafts", &OneRow::drafts);
   m.def("logistic_estimate", &logistic, "the logistic acceptance estimate of one draft");
+  m.def("logistic_column", &logistic_column, "the logistic acceptance estimates of a column of drafts",
+        py::arg("w"), py::arg("top"), py::arg("margin"));
 }
