@@ -328,3 +328,16 @@ def test_the_rule_and_the_early_stop_decide_the_same_compiled(ops):
         answers.append(worth_drafting_paths(*args))
         assert worth_drafting_paths(*args, compiled=ops) == answers[-1]
     assert 5 <= sum(answers) <= 195, sum(answers)  # both answers were reached (10 True here)
+
+
+def test_compiled_path_columns_are_path_probs(ops):
+    """The kernels' path_column, position by position, equals quantize then path_probs on
+    estimates at and past 0 and 1 and at the rounding's half-way points."""
+    rng = np.random.default_rng(4)
+    halves = (np.arange(40) + 0.5) / CONF_ONE
+    conf = np.concatenate([[0.0, 1.0, -0.1, 1.3, 1e-9], halves, rng.uniform(0, 1, 955)])
+    conf = np.stack([rng.permutation(conf) for _ in range(5)], 1)  # (1000, 5)
+    want, prev = path_probs(quantize(conf)), None
+    for j in range(conf.shape[1]):
+        prev = ops.path_column(conf[:, j], prev)
+        assert np.array_equal(prev, want[:, j])

@@ -12,7 +12,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <numeric>
 #include <vector>
 
@@ -40,16 +42,22 @@ struct Ranked {
 // added tokens, head: the step's other time.
 Ranked rank(const int64_t* a, int64_t n, int64_t k, int mode, int64_t s, int64_t d, int64_t e0, const int64_t* ctx,
             const int64_t* f, int64_t f_len, int64_t head, int64_t per_token, double min_gain) {
-  std::vector<int64_t> idx, key(size_t(n * k));
-  idx.reserve(size_t(n * k));
+  struct Cand {
+    int64_t key, at;
+  };
+  std::vector<Cand> cands;
+  cands.reserve(size_t(n * k));
   for (int64_t at = 0; at < n * k; ++at) {
     const int64_t v = a[at];
     if (v <= 0) continue;
     const int64_t c = ctx[at % n];
-    idx.push_back(at);
-    key[size_t(at)] = mode == 0 ? v : (mode == 1 ? (v << RATIO_BITS) / (s + c) : v * d - e0 * CONF_ONE * c);
+    cands.push_back({mode == 0 ? v : (mode == 1 ? (v << RATIO_BITS) / (s + c) : v * d - e0 * CONF_ONE * c), at});
   }
-  std::stable_sort(idx.begin(), idx.end(), [&](int64_t x, int64_t y) { return key[size_t(x)] > key[size_t(y)]; });
+  // largest key first, ties in index order: a total order, so the result is the stable sort's
+  std::sort(cands.begin(), cands.end(),
+            [](const Cand& x, const Cand& y) { return x.key > y.key || (x.key == y.key && x.at < y.at); });
+  std::vector<int64_t> idx(cands.size());
+  for (size_t c = 0; c < cands.size(); ++c) idx[c] = cands[c].at;
   const int64_t live = int64_t(idx.size());
   if (f_len < live + 1) throw py::value_error("f is shorter than the candidates");
   Ranked best;
@@ -101,6 +109,25 @@ std::vector<int64_t> jmajor(const I64& a) {
 
 // controller/decision.py's rank_best on an (n, k) array. Returns (keep per sequence, kept
 // count, score, E and T of the best prefix).
+// controller/step.py's path columns: position j's quantised estimates times the path
+// probabilities of position j - 1 (none for the first), as decision.py's quantize and path_probs.
+py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::array::forcecast> conf,
+                                 std::optional<I64> prev) {
+  const int64_t n = conf.size();
+  if (prev && prev->size() != n) throw py::value_error("the previous path column must be as long as the estimates");
+  const double* c = conf.data();
+  const int64_t* before = prev ? prev->data() : nullptr;
+  py::array_t<int64_t> out(n);
+  int64_t* o = out.mutable_data();
+  for (int64_t i = 0; i < n; ++i) {
+    const double r = std::nearbyint(c[i] * double(CONF_ONE));
+    if (std::isnan(r)) throw py::value_error("an acceptance estimate is not a number");
+    const int64_t q = r < 0 ? 0 : (r > double(CONF_ONE) ? CONF_ONE : int64_t(r));
+    o[i] = before ? (before[i] * q) >> CONF_BITS : q;
+  }
+  return out;
+}
+
 py::tuple rank_best(I64 a, int mode, int64_t s, int64_t d, int64_t e0, I64 ctx, I64 f, int64_t head,
                     int64_t per_token, double min_gain) {
   const std::vector<int64_t> aj = jmajor(a);
@@ -165,6 +192,8 @@ void bind_rank(py::module& m) {
   m.def("rank_best", &rank_best, "a batch's ranked candidates and their best prefix (controller/decision.py)",
         py::arg("a"), py::arg("mode"), py::arg("s"), py::arg("d"), py::arg("e0"), py::arg("ctx"), py::arg("f"),
         py::arg("head"), py::arg("per_token"), py::arg("min_gain"));
+  m.def("path_column", &path_column, "a position's path probabilities (controller/step.py)", py::arg("conf"),
+        py::arg("prev") = py::none());
   m.def("decide_cols", &decide_cols, "a large batch's keep set (controller/decision.py)", py::arg("cols"),
         py::arg("cap"), py::arg("ctx"), py::arg("f"), py::arg("head"), py::arg("per_token"), py::arg("min_gain"),
         py::arg("uniform"), py::arg("rounds"));
