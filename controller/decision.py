@@ -182,24 +182,23 @@ def capped(a: np.ndarray, max_keep) -> np.ndarray:
 
 
 def decide_paths(a: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float, refine: bool = True,
-                 scored: bool = False, compiled=None):
+                 scored: bool = False):
     """The numpy rule from (n, k) quantised path probabilities, 0 where a draft may not be kept
     (a caller that keeps them across a step's decisions skips quantising them again).
-    compiled: the CPU kernels' module, whose rank_best gives the same answers faster."""
+    models/csrc/rank.cpp's decide_cols is the same, compiled."""
     ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
     head = draft_units(draft_ms) + costs.fixed + costs.ctx_sum
-    rank = compiled.rank_best if compiled is not None else rank_best
     if costs.uniform:
-        keep, _, score, *_ = rank(a, 0, 0, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
+        keep, _, score, *_ = rank_best(a, 0, 0, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
     else:
         live = int((a > 0).sum())
         s = max((int(costs.f[live]) - int(costs.f[0])) // max(live, 1), 1)
-        keep, _, score, e, t = rank(a, 1, s, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
+        keep, _, score, e, t = rank_best(a, 1, s, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
         for _ in range(REFINE_ROUNDS if refine else 0):
             d = t * CONF_ONE - e * costs.per_token
             if d <= 0:
                 break
-            got = rank(a, 2, 0, d, e, ctx, costs.f, head, costs.per_token, min_gain)
+            got = rank_best(a, 2, 0, d, e, ctx, costs.f, head, costs.per_token, min_gain)
             if got[2] <= score:
                 break
             keep, _, score, e, t = got
@@ -225,7 +224,8 @@ def rank_best(a: np.ndarray, mode: int, s: int, d: int, e0: int, ctx: np.ndarray
     prefix. Keys: a (mode 0), the ratio a << RATIO_BITS // (s + ctx_i) (mode 1), Dinkelbach's
     a d - e0 CONF_ONE ctx_i (mode 2). f: validation time by added tokens; head: the step's
     other time. Returns (keep per sequence, kept count, score, E and T of that prefix).
-    models/csrc/rank.cpp computes the same, bit for bit."""
+    models/csrc/rank.cpp's rank (exposed as rank_best, which the tests compare with this one)
+    computes the same, bit for bit."""
     n, k = a.shape
     a_j = a.T.reshape(-1)  # index = j * n + i
     live_mask = a_j > 0

@@ -35,7 +35,8 @@ def worth_drafting_paths(paths: list[np.ndarray], costs: StepCosts, min_gain: fl
                          rate: float, cap: np.ndarray, compiled=None) -> bool:
     """worth_drafting for a large batch whose drafted positions' path probabilities are already
     quantised (path_probs' columns, before the cap): the same integers, so the same answer,
-    without quantising every column again at each draft step. compiled: as decide_paths'."""
+    without quantising every column again at each draft step. compiled: the CPU kernels'
+    module, whose worth_drafting gives the same answer in one call."""
     j = len(paths)
     if compiled is not None:  # the same two rankings in one call (models/csrc/rank.cpp)
         ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
@@ -44,7 +45,5 @@ def worth_drafting_paths(paths: list[np.ndarray], costs: StepCosts, min_gain: fl
                                        draft_units(go_ms) + head, costs.per_token, min_gain, costs.uniform)
     ahead = np.stack(paths + [(paths[-1] * int(quantize(rate))) >> CONF_BITS], 1)
     ahead = capped(ahead, cap)
-    keep, go = decide_paths(ahead, costs, min_gain, go_ms, refine=False, scored=True, compiled=compiled)
-    if int(keep.max()) <= j:
-        return False
-    return go > decide_paths(ahead[:, :j], costs, min_gain, stop_ms, False, True, compiled)[1]
+    keep, go = decide_paths(ahead, costs, min_gain, go_ms, refine=False, scored=True)
+    return int(keep.max()) > j and go > decide_paths(ahead[:, :j], costs, min_gain, stop_ms, False, True)[1]

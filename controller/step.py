@@ -218,14 +218,15 @@ class SpecStep:
     def _path_cols(self, count: int) -> list[np.ndarray]:
         """Quantised path probabilities of the first `count` positions (path_probs' columns,
         before the caps), from the estimates already made (`_estimates`)."""
-        compiled = self.policy.compiled
+        compiled = self.policy.compiled  # its path_column: the same integers (models/csrc/rank.cpp)
         for j in range(len(self._paths), count):
             prev = self._paths[-1] if j else None
-            if compiled is not None:  # the same integers (models/csrc/rank.cpp)
-                self._paths.append(compiled.path_column(self.conf[j], prev))
-                continue
-            q = quantize(self.conf[j])
-            self._paths.append(q if prev is None else (prev * q) >> CONF_BITS)
+            if compiled is not None:
+                col = compiled.path_column(self.conf[j], prev)
+            else:
+                q = quantize(self.conf[j])
+                col = q if prev is None else (prev * q) >> CONF_BITS
+            self._paths.append(col)
         return self._paths[:count]
 
     def _estimates(self, top_prob, margin, count: int) -> list:

@@ -123,3 +123,11 @@ def test_a_preempted_sequence_is_recomputed_before_shorter_new_prompts():
     s.add(seq(1, 2))
     plan, seqs = s.schedule()
     assert [q.seq_id for q in seqs] == [0, 1] and plan.seqs[0].prefill == a.prefill_ids
+
+
+def test_the_shortest_waiting_prompts_take_the_free_slots():
+    s = Scheduler(num_blocks=64, block_size=BS, max_num_seqs=2, max_prefill_tokens=64, num_spec=2, max_model_len=64)
+    for i, n in enumerate([9, 5, 1, 3]):
+        s.add(seq(i, n))
+    s.schedule()
+    assert [q.seq_id for q in s.running] == [2, 3] and [q.seq_id for q in s.waiting] == [0, 1]

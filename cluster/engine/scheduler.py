@@ -84,14 +84,21 @@ class Scheduler:
         return 1, len(seq.prompt_ids) - seq.num_prefilled, seq.seq_id
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = min(self.waiting, key=self._order) if self.shortest_first else self.waiting[0]
+        """Waiting sequences, in prefill order, while there are slots and blocks (the first
+        that does not fit stops admission: nothing overtakes it)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return
+        admitted = 0
+        for seq in sorted(self.waiting, key=self._order) if self.shortest_first else self.waiting:
             # after its prefill the sequence holds one more token: the one the prefill emits
-            if not self.blocks.grow(seq, decode_positions(len(seq.prefill_ids) + 1, self.num_spec)):
+            if len(self.running) >= self.max_num_seqs or not self.blocks.grow(
+                    seq, decode_positions(len(seq.prefill_ids) + 1, self.num_spec)):
                 break
-            self.waiting.remove(seq)
             seq.status, seq.num_prefilled, seq.prefill_len = Status.RUNNING, 0, len(seq.prefill_ids)
             self.running.append(seq)
+            admitted += 1
+        if admitted:
+            self.waiting = deque(seq for seq in self.waiting if seq.status is Status.WAITING)
 
     def _prefill_plan(self) -> tuple[StepPlan, list[Sequence]] | None:
         self._admit()

@@ -1,6 +1,8 @@
-// A batch's keep set compiled: controller/decision.py's `rank_best` (the ranking of every
-// candidate draft and the best prefix of it), for the numpy rule that batches of more than
-// a few sequences decide with, several times a step when the early stop asks.
+// A large batch's decisions compiled: the early stop (`worth_drafting`), the keep set
+// (`decide_cols`) and the path columns (`path_column`) of controller/early_stop.py,
+// decision.py and step.py. Both decisions rank every candidate draft and take the best
+// prefix (`rank`, controller/decision.py's `rank_best`; exposed as rank_best so the tests
+// compare the two directly), several times a step when the early stop asks.
 //
 // Why compiled: at batch 32-256 the rule's argsort, cumulative sums and temporaries took
 // 0.07-0.11 ms a call between two forward passes, about half of the controller's time.
@@ -107,8 +109,6 @@ std::vector<int64_t> jmajor(const I64& a) {
   return out;
 }
 
-// controller/decision.py's rank_best on an (n, k) array. Returns (keep per sequence, kept
-// count, score, E and T of the best prefix).
 // controller/step.py's path columns: position j's quantised estimates times the path
 // probabilities of position j - 1 (none for the first), as decision.py's quantize and path_probs.
 py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::array::forcecast> conf,
@@ -128,6 +128,8 @@ py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::ar
   return out;
 }
 
+// controller/decision.py's rank_best on an (n, k) array, for the tests. Returns (keep per
+// sequence, kept count, score, E and T of the best prefix).
 py::tuple rank_best(I64 a, int mode, int64_t s, int64_t d, int64_t e0, I64 ctx, I64 f, int64_t head,
                     int64_t per_token, double min_gain) {
   const std::vector<int64_t> aj = jmajor(a);
