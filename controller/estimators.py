@@ -95,7 +95,9 @@ class LogisticCalibrator:
     and only verified drafts teach the model. Fitted online by Newton steps: each batch of outcomes
     adds its drafts' curvature to a running (k, 4, 4) matrix and moves w by its inverse times
     the batch's gradient of the log-loss (a second-order fit: a few hundred drafts suffice,
-    where gradient steps on these unscaled features were slow and unstable). Float64
+    where gradient steps on these unscaled features were slow and unstable). Old curvature fades
+    (FORGET a step) and what fades returns as the starting curvature, so the matrix never drops
+    below PRIOR_PRECISION * I: a long run of identical drafts cannot make it singular. Float64
     operations in a fixed order on inputs every rank holds identically, so every rank's
     weights agree."""
 
@@ -103,7 +105,8 @@ class LogisticCalibrator:
 
     def __init__(self, k: int):
         self.w = np.tile(np.array(START), (k, 1))
-        self.h = np.tile(np.eye(self.WIDTH) * PRIOR_PRECISION, (k, 1, 1))
+        self._prior = np.eye(self.WIDTH) * PRIOR_PRECISION
+        self.h = np.tile(self._prior, (k, 1, 1))
         self._w = self.w.tolist()  # the weights as Python floats (estimate_column's small path)
 
     @staticmethod
@@ -163,7 +166,10 @@ class LogisticCalibrator:
         for a in range(width):
             for b in range(a, width):
                 curvature[:, a, b] = curvature[:, b, a] = np.bincount(pos, weight * x[:, a] * x[:, b], minlength=k)
-        self.h[:k] = FORGET ** steps * self.h[:k] + curvature
+        fade = FORGET ** steps
+        # what fades of the old curvature returns as the starting one: the matrix never drops below
+        # PRIOR_PRECISION * I, so a stream of identical drafts (rank-1 curvature) cannot make it singular
+        self.h[:k] = fade * self.h[:k] + curvature + (1.0 - fade) * self._prior
         self.w[:k] += np.linalg.solve(self.h[:k], grad[..., None])[..., 0]
         self._w = self.w.tolist()
 

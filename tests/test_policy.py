@@ -78,6 +78,26 @@ def test_logistic_tells_drafts_apart_by_their_margin():
     assert np.allclose(column, [wide, narrow], atol=1e-12)
 
 
+def test_logistic_survives_a_long_run_of_identical_drafts():
+    """A stream where every draft looks the same (a sure draft: top probability 1, margin 1,
+    as a repetition loop gives) for longer than the evidence's memory. Its curvature has
+    rank 1; once the earlier, varied evidence has faded the Newton step's matrix was
+    singular and the update raised, which stopped the engine. It must stay solvable, and
+    the estimate must still follow what was observed."""
+    from controller.estimators import LogisticCalibrator
+
+    rng = np.random.default_rng(2)
+    cal = LogisticCalibrator(k=1)
+    for _ in range(20):  # varied evidence first
+        cal.update(rng.random((32, 1)), rng.random((32, 1)) * 0.5, np.ones(32, dtype=np.int64),
+                   (rng.random(32) < 0.6).astype(np.int64))
+    sure = np.ones((32, 1))
+    for _ in range(40):  # then 40 batches of 20,000 steps each of identical, accepted drafts
+        cal.update(sure, sure, np.ones(32, dtype=np.int64), np.ones(32, dtype=np.int64), steps=20_000)
+    assert np.isfinite(cal.w).all()
+    assert cal.estimate(sure, sure)[0, 0] > 0.9
+
+
 def _policy(k: int = 4) -> SpecPolicy:
     return SpecPolicy(SpeculativeConfig(num_speculative_tokens=k, adaptive=AdaptiveConfig(enabled=True)))
 
