@@ -98,6 +98,27 @@ def test_draft_top2_matches_softmax_and_topk(ops, vocab):
     assert again[0] == top[0] and again[1] == margin[0]  # a row's answer does not depend on the batch
 
 
+def test_draft_top2_gives_no_confidence_to_a_row_that_is_no_distribution(ops, monkeypatch):
+    """NaN or infinite logits (a draft that overflowed): top and margin 0, from the kernel and
+    from the torch path alike, a valid token index, and the other rows untouched."""
+    from workers import sampler
+
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(5))
+    logits[0, 3] = float("nan")
+    logits[1, 9] = float("inf")
+    logits[2] = float("-inf")
+    answers = []
+    for use_kernel in (True, False):
+        if not use_kernel:
+            monkeypatch.setattr(sampler, "_row_kernels", lambda logits: None)  # the torch path
+        tokens, top, margin = torch.full((4,), -1), torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+        sampler.draft_top2(logits, tokens, top, margin)
+        assert top[:3].tolist() == [0.0] * 3 and margin[:3].tolist() == [0.0] * 3
+        assert 0 < top[3] < 1 and all(0 <= t < 100 for t in tokens.tolist())
+        answers.append(float(top[3]))
+    assert answers[0] == pytest.approx(answers[1], rel=1e-6)
+
+
 def test_argmax_rows_takes_the_first_of_equal_maxima(ops):
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
     logits[1, 7] = logits[1, 998] = 40.0  # equal maxima, the second in the tail

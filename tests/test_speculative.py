@@ -122,3 +122,41 @@ def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):
         assert [got[f"req-{i}"] for i in range(len(sharegpt_prompts))] == reference
     finally:
         engine.shutdown()
+
+
+def _overflowing(monkeypatch):
+    """The MTP draft's logits turn NaN on even rows and +inf at one token on odd rows (a draft
+    that overflowed, as float16 can), from its first draft on."""
+    from workers.proposer import MTPProposer
+
+    def spoil(logits):
+        logits = logits.clone()
+        logits[::2] = float("nan")
+        logits[1::2, 7] = float("inf")
+        return logits
+
+    begin, step = MTPProposer.begin, MTPProposer.next
+    monkeypatch.setattr(MTPProposer, "begin", lambda self, *a: (lambda r: (r[0], spoil(r[1])))(begin(self, *a)))
+    monkeypatch.setattr(MTPProposer, "next", lambda self, *a: spoil(step(self, *a)))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_draft_that_overflows_changes_nothing_emitted(adaptive, monkeypatch, sharegpt_prompts, reference):
+    """Draft rows that are no distribution get no confidence and propose from the uniform
+    distribution when sampling; validation decides as always. Greedy text stays the target's,
+    sampled requests finish (a NaN estimate had stopped the adaptive step, a NaN q the sampler)."""
+    from cluster.engine.request import RequestParams
+    from tests.test_adaptive import ADAPTIVE, PRUNING_MODEL
+
+    _overflowing(monkeypatch)
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.method=mtp",
+                                      *(ADAPTIVE if adaptive else ("speculative.num_speculative_tokens=3",))))
+    try:
+        if adaptive:
+            engine.time_models.install(PRUNING_MODEL)
+        assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
+        assert engine.stats.drafted > 0
+        sampled = RequestParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=3, ignore_eos=True)
+        assert [len(t) for t in token_ids(engine.generate(sharegpt_prompts[:3], sampled))] == [MAX_TOKENS] * 3
+    finally:
+        engine.shutdown()

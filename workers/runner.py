@@ -22,7 +22,7 @@ from models.decoder import CausalLM
 from workers.plan import ForkPlan, SamplingParams, SeqOutput, StepPlan, StepResult, StepStats, StepTrace
 from workers.proposer import MTPProposer, Proposer, SeqState
 from workers.sampler import (argmax_rows, draft_sample, draft_top2, greedy_accept, probs_from_logits,
-                             rejection_accept, sample_token)
+                             rejection_accept, sample_token, uniform)
 
 
 @dataclass
@@ -251,7 +251,9 @@ class ModelRunner:
             draft_top2(logits, d, inputs[0, j], inputs[1, j])
             chosen[j] = top[j]
             for i in sampled:
-                qi = probs_from_logits(logits[i], params[i])
+                # a row that is no distribution (draft_top2 gave it no confidence) proposes from the
+                # uniform one: any q the drafts are drawn from keeps the rejection test exact
+                qi = probs_from_logits(logits[i], params[i]) if top[j, i] > 0 else uniform(logits.shape[-1])
                 qs[i].append(qi)
                 d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
                 best = qi.topk(2).values

@@ -54,7 +54,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 def draft_top2(logits: torch.Tensor, tokens: torch.Tensor, top: torch.Tensor, margin: torch.Tensor) -> None:
     """A draft step's confidence inputs, per row of logits (n, V): the softmax's top token
     into tokens (n,) int64, its probability into top and the margin to the second largest
-    into margin (n,) float64. On the CPU one kernel call (models/csrc/elementwise.cpp),
+    into margin (n,) float64; both 0 for a row that is no distribution (NaN or infinite
+    logits: a draft that overflowed). On the CPU one kernel call (models/csrc/elementwise.cpp),
     elsewhere torch's softmax and top-2 (the same values to float32 rounding)."""
     ops = _row_kernels(logits)
     if ops is not None:
@@ -62,8 +63,14 @@ def draft_top2(logits: torch.Tensor, tokens: torch.Tensor, top: torch.Tensor, ma
         return
     two = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values
     tokens.copy_(logits.argmax(dim=-1))  # the first of equal maxima, as the kernel (topk takes any)
-    top.copy_(two[:, 0])
-    margin.copy_(two[:, 0] - two[:, 1])
+    valid = two.isfinite().all(dim=-1)  # a row that is no distribution gives no confidence, as the kernel's
+    top.copy_(torch.where(valid, two[:, 0], 0.0))
+    margin.copy_(torch.where(valid, two[:, 0] - two[:, 1], 0.0))
+
+
+def uniform(vocab: int) -> torch.Tensor:
+    """The uniform distribution over vocab tokens, (vocab,) float32."""
+    return torch.full((vocab,), 1.0 / vocab)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

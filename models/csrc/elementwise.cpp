@@ -122,9 +122,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // A draft step's confidence inputs in one pass per row: for each row of logits (n, V), the
 // softmax's top token (the first of equal maxima), its probability and the margin to the
 // second largest probability (equal maxima: 0), into tokens (n,) int64, top and margin (n,)
-// float64. Where torch took a softmax, a top-2 and their conversions (about 110 us a draft
-// step at batch 1, between forward passes), this is one call. Sums run in a fixed order:
-// the same bits on every rank.
+// float64 (both 0 for a row that is no distribution). Where torch took a softmax, a top-2
+// and their conversions (about 110 us a draft step at batch 1, between forward passes), this
+// is one call. Sums run in a fixed order: the same bits on every rank.
 void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& top, torch::Tensor& margin) {
   check_rows(logits, "logits");
   const int64_t n = logits.size(0), V = logits.size(1), ld = logits.stride(0);
@@ -176,8 +176,11 @@ void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tenso
       for (int64_t i = body; i < V; ++i) sum += std::exp(static_cast<double>(x[i]) - best);
       const double p1 = 1.0 / sum, p2 = std::exp(static_cast<double>(second) - best) / sum;
       tp[r] = arg;
-      pp[r] = p1;
-      mp[r] = p1 - p2;
+      // a row that is no distribution (NaN, or an infinite logit: a draft that overflowed) gives
+      // no confidence; its token is a valid index all the same, and validation decides on it
+      const bool valid = p1 > 0.0 && p1 <= 1.0 && p2 >= 0.0 && p2 <= p1;
+      pp[r] = valid ? p1 : 0.0;
+      mp[r] = valid ? p1 - p2 : 0.0;
     }
   });
 }
