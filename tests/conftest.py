@@ -11,8 +11,15 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from hypothesis import settings  # noqa: E402
+
 from cluster.config import Config, load_config  # noqa: E402
 from cluster.engine.request import RequestParams  # noqa: E402
+
+# CI (.ci/run) draws the same property-test examples every run, so a run's verdict is the
+# code's; elsewhere every run draws new ones, and a failure found is kept in .hypothesis/
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")
