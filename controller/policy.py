@@ -42,6 +42,7 @@ class SpecPolicy:
         self.cfg = cfg
         self.compiled = compiled
         self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow)
+        self._compiled_weights: tuple | None = None  # (logistic weights, as the kernels take them)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
         self.models: dict[int, TimeModel] = {0: TimeModel()}
@@ -154,13 +155,21 @@ class SpecPolicy:
             costs = step_costs(tm, [0], extra, self.f_values(tm, "decide", 1, extra))
             compiled = self.compiled
             one = new_one_row(costs, self.cfg.adaptive.min_gain, extra,
-                              weights if compiled is None else compiled.LogisticWeights(weights), compiled)
+                              weights if compiled is None else self.compiled_weights(), compiled)
             one.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(extra + 2)], rates)
             base = self.budget_terms(tm, 1, 1)[0]
             terms = [[]] + [self.budget_terms(tm, 1, k)[1] for k in range(1, extra + 1)]
             one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS)
             held = self._one_row = (tm, extra, weights, rates, one)
         return held[4]
+
+    def compiled_weights(self):
+        """The logistic weights as the kernels take them (LogisticWeights), converted once per
+        calibration batch (the weights are a new list after each)."""
+        weights = self.logistic.weights
+        if self._compiled_weights is None or self._compiled_weights[0] is not weights:
+            self._compiled_weights = (weights, self.compiled.LogisticWeights(weights))
+        return self._compiled_weights[1]
 
     # ------------------------------------------------------------------ time-model values
     def f_values(self, tm: TimeModel, use: str, n: int, extra: int):

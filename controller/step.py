@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.decision import (CONF_BITS, SMALL, StepCosts, decide_cols, decide_small, decide_with, quantize,
-                                 step_costs)
+from controller.decision import (CONF_BITS, REFINE_ROUNDS, SMALL, StepCosts, decide_cols, decide_small, decide_with,
+                                 draft_units, quantize, step_costs)
 from controller.early_stop import worth_drafting, worth_drafting_paths
 from controller.time_model import TimeModel
 
@@ -30,8 +30,8 @@ class SpecStep:
 
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "explore", "rows",
-                 "costs", "rule_keep", "drafted", "conf", "_paths", "_g", "_one", "_watched", "one_row_ok", "max_keep",
-                 "max_keep_list", "kmax", "best_m", "budget")
+                 "costs", "rule_keep", "drafted", "conf", "_paths", "_g", "_one", "_watched", "_many", "one_row_ok",
+                 "max_keep", "max_keep_list", "kmax", "best_m", "budget")
 
     def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False):
@@ -50,6 +50,7 @@ class SpecStep:
         self._g: float | None = None  # the time model's g(n), asked once per step
         self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
         self._watched = False  # ... which reads the draft loop's buffers itself (early_stop)
+        self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads them too
         # an adaptive batch-1 step on the logistic estimate: its OneRow decides
         self.one_row_ok = n == 1 and mode == "adaptive" and policy.cfg.adaptive.estimator == "top_prob_logistic"
         self._set_caps(max_keep)
@@ -133,7 +134,31 @@ class SpecStep:
             one.watch(top_prob, margin)
             self._watched = True
             return one.next_at
+        many = self._many_rows(top_prob, margin)
+        if many is not None:
+            return many.next_at
         return lambda j: self.keep_drafting(top_prob[:j].T, margin[:j].T, tokens[:j].T)
+
+    def _many_rows(self, top_prob: np.ndarray, margin: np.ndarray):
+        """A large batch's compiled ManyRows (models/csrc/rank.cpp) over the draft loop's
+        (budget, n) float64 buffers, where it decides as keep_drafting and keep would (the
+        same functions on the same integers), else None: small batches, probes, other
+        estimators, no kernels, or buffers of another layout."""
+        policy = self.policy
+        compiled, adaptive = policy.compiled, policy.cfg.adaptive
+        if (compiled is None or self.mode != "adaptive" or self.probe or not adaptive.early_stop or self.one_row_ok
+                or adaptive.estimator != "top_prob_logistic" or len(self.kv) * self.kmax <= SMALL
+                or top_prob.dtype != np.float64 or margin.dtype != np.float64
+                or not (top_prob.flags.c_contiguous and margin.flags.c_contiguous)):
+            return None
+        costs = self._costs()
+        ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
+        base = costs.fixed + costs.ctx_sum
+        heads = [draft_units(self._draft_ms(m)) + base for m in range(self.budget + 2)]
+        self._many = compiled.ManyRows(self.max_keep, ctx, costs.f, heads, policy.next_rates, costs.per_token,
+                                       adaptive.min_gain, costs.uniform, REFINE_ROUNDS, policy.compiled_weights(),
+                                       top_prob, margin)
+        return self._many
 
     # ------------------------------------------------------------------ keep
     def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
@@ -155,6 +180,12 @@ class SpecStep:
                 count = one.keep(m)
             self.rule_keep, self.drafted = [count], (self.max_keep_list, m)
             return np.array([min(self.max_keep_list[0], m) if self.explore else count])
+        if self._many is not None:  # a large batch's ManyRows: the estimates it made for the early stop, reused
+            keep = self.rule_keep = self._many.keep_at(m)
+            self.drafted = (self.max_keep, m)
+            out = keep.copy()
+            out[self.explore] = np.minimum(self.max_keep[self.explore], m)
+            return out
         by_token = policy.cfg.adaptive.estimator == "token_prob"
         if by_token:
             conf = token_prob

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from controller.config import AdaptiveConfig, SpeculativeConfig
-from controller.decision import draft_units, step_costs
+from controller.decision import draft_units, quantize, step_costs
 from controller.estimators import logistic_estimate
 from controller.one_row import OneRow, new_one_row
 from controller.policy import SpecPolicy
@@ -242,19 +242,23 @@ def test_a_column_of_logistic_estimates_is_the_same_doubles(ops):
         assert ops.logistic_column(w, p, m).tolist() == want
 
 
-def test_a_large_batch_decides_the_same_compiled_and_not(ops):
+@pytest.mark.parametrize("dtype,b2", [(np.float64, 1e-6), (np.float64, 2e-5), (np.float32, 1e-6)])
+def test_a_large_batch_decides_the_same_compiled_and_not(ops, dtype, b2):
     """Adaptive-7 at batch 40 over 60 steps of random drafts, one policy with the kernels and
-    one without: the same budgets, early-stop answers and keep sets every step."""
+    one without: the same budgets, early-stop answers and keep sets every step. float64
+    buffers, as the draft loop's: the compiled policy decides in its ManyRows; float32: in
+    the kernels' functions one by one, with Python between them. b2: the context's cost,
+    which the keep set's Dinkelbach rounds weigh."""
     cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True))
     policies = [SpecPolicy(cfg, compiled=c) for c in (ops, None)]
     for policy in policies:  # drafting pays at this batch size: the step drafts and decides
-        policy.install(TimeModel(version=1, b0=8.0, b1=0.01, b2=1e-6, d0=0.3, d1=0.001, o0=0.3))
+        policy.install(TimeModel(version=1, b0=8.0, b1=0.01, b2=b2, d0=0.3, d1=0.001, o0=0.3))
     rng = np.random.default_rng(5)
-    n, k, stops, kept = 40, 7, 0, 0
+    n, k, stops, kept, many = 40, 7, 0, 0, 0
     for _ in range(60):
         kv, cap = rng.integers(100, 900, n), rng.integers(0, k + 1, n)
-        top = rng.beta(2, 1, (k, n)).astype(np.float32)
-        margin = (top * rng.uniform(0.3, 1, (k, n))).astype(np.float32)
+        top = rng.beta(2, 1, (k, n)).astype(np.float32).astype(dtype)
+        margin = (top * rng.uniform(0.3, 1, (k, n))).astype(np.float32).astype(dtype)
         accepted, seen = rng.integers(0, k + 1, n), []
         for policy in policies:
             step = policy.begin_step("adaptive", kv, cap, 1, k)
@@ -269,7 +273,47 @@ def test_a_large_batch_decides_the_same_compiled_and_not(ops):
             keep = step.keep(top[:m].T, top[:m].T, margin[:m].T, np.zeros((n, m), dtype=np.int64))
             policy.end_step(step, top[:m].T, margin[:m].T, keep, np.minimum(keep, accepted))
             seen.append((step.budget, answers, keep.tolist()))
+            many += step._many is not None
         assert seen[0] == seen[1]
         stops += not all(seen[0][1])
         kept += sum(seen[0][2])
     assert stops and kept  # the early stop stopped some steps, and drafts were kept
+    assert (many > 0) == (dtype == np.float64)  # ManyRows decided where the buffers allow it
+
+
+def test_many_rows_answers_as_the_kernels_functions_one_by_one(ops):
+    """ManyRows (a large batch's step, reading the draft buffers itself) against
+    logistic_column, path_column, worth_drafting and decide_cols called one by one, on 300
+    random steps with context costs spread wide enough that the keep set's Dinkelbach rounds
+    change it (they must, in some)."""
+    from controller.decision import REFINE_ROUNDS
+
+    rng = np.random.default_rng(11)
+    refined = 0
+    for case in range(300):
+        n, k = int(rng.integers(10, 90)), int(rng.integers(1, 8))
+        cap = rng.integers(0, k + 1, n).astype(np.int64)
+        ctx = rng.integers(0, 400, n).astype(np.int64)
+        f = (np.cumsum(rng.integers(20, 200, n * (k + 1) + 1)) + 5000).astype(np.int64)
+        heads = [int(x) for x in np.cumsum(rng.integers(100, 3000, k + 2)) + 20000]
+        rates = rng.uniform(0.2, 1.0, k).tolist()
+        weights = [[float(rng.normal(0.5, 1)), float(rng.uniform(0, 2)), float(rng.uniform(-2, 0)),
+                    float(rng.uniform(0, 1))] for _ in range(k)]
+        top = rng.beta(2, 1, (k, n))
+        margin = top * rng.uniform(0, 1, (k, n))
+        per_token, min_gain = int(rng.integers(0, 500)), float(rng.choice([0.0, 0.01]))
+        many = ops.ManyRows(cap, ctx, f, heads, rates, per_token, min_gain, False, REFINE_ROUNDS,
+                            ops.LogisticWeights(weights), top, margin)
+        cols = []
+        for j in range(k):
+            cols.append(ops.path_column(ops.logistic_column(weights[j], top[j], margin[j]), cols[-1] if j else None))
+        for j in range(1, k):
+            rate_q = int(quantize(rates[j]))
+            want = ops.worth_drafting(cols[:j], cap, rate_q, ctx, f, heads[j], heads[j + 1], per_token, min_gain, False)
+            assert many.next_at(j) == want, (case, j)
+        m = int(rng.integers(1, k + 1))
+        keep = ops.decide_cols(cols[:m], cap, ctx, f, heads[m], per_token, min_gain, False, REFINE_ROUNDS)[0]
+        assert many.keep_at(m).tolist() == keep.tolist(), case
+        refined += keep.tolist() != ops.decide_cols(cols[:m], cap, ctx, f, heads[m], per_token, min_gain, False,
+                                                     0)[0].tolist()
+    assert refined  # the rounds changed some keep sets, so the test sees whether ManyRows runs them

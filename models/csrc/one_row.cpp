@@ -23,6 +23,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include "decide.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -55,13 +57,6 @@ __attribute__((optimize("fp-contract=off"))) double logistic(const std::vector<d
   const double z = py_min(py_max(w[0] + w[1] * std::log(p) + w[2] * std::log1p(-p) + w[3] * std::log(m), -60.0), 60.0);
   return 1.0 / (1.0 + std::exp(-z));
 }
-
-// The logistic model's weights, one (w0, w1, w2, w3) per draft position: converted once per
-// calibration batch, not once per step.
-struct LogisticWeights {
-  explicit LogisticWeights(std::vector<std::vector<double>> w) : w(std::move(w)) {}
-  std::vector<std::vector<double>> w;
-};
 
 // One term of the draft budget: (m, expected tokens, time without the context term, validated tokens).
 using Term = std::tuple<int64_t, double, double, double>;
@@ -241,6 +236,8 @@ class OneRow {
 };
 
 }  // namespace
+
+double logistic_estimate(const std::vector<double>& w, double p, double m) { return logistic(w, p, m); }
 
 // logistic() over a column of drafts (a large batch's position): the same double per draft.
 py::array_t<double> logistic_column(const std::vector<double>& w,

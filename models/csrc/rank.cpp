@@ -8,7 +8,7 @@
 // 0.07-0.11 ms a call between two forward passes, about half of the controller's time.
 //
 // Same answers as the numpy, bit for bit: the same int64 keys and sums, a stable sort
-// (ties in index order, j-major), IEEE double division of integers below 2^53, the
+// (ties in index order, j-major; a radix sort here), IEEE double division of integers below 2^53, the
 // min_gain divisors by repeated multiplication, and the first of equal scores
 // (tests/test_decision.py compares both).
 #include <torch/extension.h>
@@ -16,12 +16,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <numeric>
 #include <vector>
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
+
+#include "decide.h"
 
 namespace py = pybind11;
 
@@ -42,11 +45,45 @@ struct Ranked {
 // draft may not be kept; the key of candidate (i, j) is a (mode 0), a << RATIO_BITS //
 // (s + ctx_i) (mode 1) or a * d - e0 * CONF_ONE * ctx_i (mode 2). f: the validation time by
 // added tokens, head: the step's other time.
+struct Cand {
+  int64_t key, at;
+};
+
+// Largest key first, ties in input order (cands arrive in index order: the stable sort's
+// order, as the numpy twin's). A least-significant-digit radix sort on each key's distance
+// below the largest, a byte a pass, as many passes as the keys' spread needs: path
+// probabilities have 12 bits, so two passes where every sequence costs the same. std::sort
+// spent most of a ranking's time on the many equal keys (0.3 ms at 7,000 candidates); below
+// 256 candidates it stays, as clearing the counts would cost more.
+void sort_desc(std::vector<Cand>& cands) {
+  const size_t N = cands.size();
+  if (N < 256) {  // few: comparisons beat clearing the counts
+    std::sort(cands.begin(), cands.end(),
+              [](const Cand& x, const Cand& y) { return x.key > y.key || (x.key == y.key && x.at < y.at); });
+    return;
+  }
+  int64_t top = cands[0].key;
+  for (const Cand& c : cands) top = std::max(top, c.key);
+  uint64_t spread = 0;
+  for (Cand& c : cands) {
+    c.key = int64_t(uint64_t(top) - uint64_t(c.key));  // the distance, as unsigned bits (no overflow)
+    spread |= uint64_t(c.key);
+  }
+  std::vector<Cand> other(N);
+  constexpr int BITS = 8, BUCKETS = 1 << BITS;
+  std::vector<uint32_t> count(BUCKETS + 1);
+  for (int shift = 0; shift < 64 && (spread >> shift); shift += BITS) {
+    std::fill(count.begin(), count.end(), 0u);
+    for (const Cand& c : cands) ++count[((uint64_t(c.key) >> shift) & (BUCKETS - 1)) + 1];
+    for (int b = 0; b < BUCKETS; ++b) count[b + 1] += count[b];
+    for (const Cand& c : cands) other[count[(uint64_t(c.key) >> shift) & (BUCKETS - 1)]++] = c;
+    cands.swap(other);
+  }
+  for (Cand& c : cands) c.key = int64_t(uint64_t(top) - uint64_t(c.key));
+}
+
 Ranked rank(const int64_t* a, int64_t n, int64_t k, int mode, int64_t s, int64_t d, int64_t e0, const int64_t* ctx,
             const int64_t* f, int64_t f_len, int64_t head, int64_t per_token, double min_gain) {
-  struct Cand {
-    int64_t key, at;
-  };
   std::vector<Cand> cands;
   cands.reserve(size_t(n * k));
   for (int64_t at = 0; at < n * k; ++at) {
@@ -55,9 +92,7 @@ Ranked rank(const int64_t* a, int64_t n, int64_t k, int mode, int64_t s, int64_t
     const int64_t c = ctx[at % n];
     cands.push_back({mode == 0 ? v : (mode == 1 ? (v << RATIO_BITS) / (s + c) : v * d - e0 * CONF_ONE * c), at});
   }
-  // largest key first, ties in index order: a total order, so the result is the stable sort's
-  std::sort(cands.begin(), cands.end(),
-            [](const Cand& x, const Cand& y) { return x.key > y.key || (x.key == y.key && x.at < y.at); });
+  sort_desc(cands);
   std::vector<int64_t> idx(cands.size());
   for (size_t c = 0; c < cands.size(); ++c) idx[c] = cands[c].at;
   const int64_t live = int64_t(idx.size());
@@ -109,6 +144,8 @@ std::vector<int64_t> jmajor(const I64& a) {
   return out;
 }
 
+int64_t quantize(double conf);
+
 // controller/step.py's path columns: position j's quantised estimates times the path
 // probabilities of position j - 1 (none for the first), as decision.py's quantize and path_probs.
 py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::array::forcecast> conf,
@@ -120,9 +157,7 @@ py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::ar
   py::array_t<int64_t> out(n);
   int64_t* o = out.mutable_data();
   for (int64_t i = 0; i < n; ++i) {
-    const double r = std::nearbyint(c[i] * double(CONF_ONE));
-    if (std::isnan(r)) throw py::value_error("an acceptance estimate is not a number");
-    const int64_t q = r < 0 ? 0 : (r > double(CONF_ONE) ? CONF_ONE : int64_t(r));
+    const int64_t q = quantize(c[i]);
     o[i] = before ? (before[i] * q) >> CONF_BITS : q;
   }
   return out;
@@ -139,54 +174,173 @@ py::tuple rank_best(I64 a, int mode, int64_t s, int64_t d, int64_t e0, I64 ctx, 
   return py::make_tuple(py::array_t<int64_t>(n, r.keep.data()), r.count, r.score, r.e, r.t);
 }
 
-std::vector<int64_t> capped_jmajor(const std::vector<I64>& cols, const I64& cap, size_t extra) {
-  const int64_t j = int64_t(cols.size()), n = cap.size();
-  const int64_t* caps = cap.data();
+// Columns as pointers: the py arrays a call passes, or the columns a ManyRows holds.
+using Cols = std::vector<const int64_t*>;
+
+Cols column_pointers(const std::vector<I64>& cols, int64_t n) {
+  Cols out;
+  for (const I64& c : cols) {
+    if (c.size() != n) throw py::value_error("every column must hold one value per sequence");
+    out.push_back(c.data());
+  }
+  return out;
+}
+
+std::vector<int64_t> capped_jmajor(const Cols& cols, int64_t n, const int64_t* caps, size_t extra) {
+  const int64_t j = int64_t(cols.size());
   std::vector<int64_t> a;
   a.reserve(size_t(j * n) + extra);
   for (int64_t c = 0; c < j; ++c) {
-    if (cols[size_t(c)].size() != n) throw py::value_error("every column must hold one value per sequence");
-    const int64_t* col = cols[size_t(c)].data();
+    const int64_t* col = cols[size_t(c)];
     for (int64_t i = 0; i < n; ++i) a.push_back(c < caps[i] ? col[i] : 0);
   }
   return a;
 }
 
+// The costs every ranking of one step reads.
+struct Costs {
+  const int64_t* ctx;
+  const int64_t* f;
+  int64_t f_len, per_token;
+  double min_gain;
+  bool uniform;
+};
+
 // controller/decision.py's decide_cols: the keep set from the drafted positions' path
-// probabilities before the caps, with decide_paths' Dinkelbach rounds. Returns (keep, score).
-py::tuple decide_cols(const std::vector<I64>& cols, I64 cap, I64 ctx, I64 f, int64_t head, int64_t per_token,
-                      double min_gain, bool uniform, int rounds) {
-  const int64_t k = int64_t(cols.size()), n = cap.size();
-  if (k == 0 || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
-  const std::vector<int64_t> a = capped_jmajor(cols, cap, 0);
-  Ranked best = rank_ratio(a, n, k, uniform, ctx.data(), f.data(), f.size(), head, per_token, min_gain);
-  for (int r = 0; r < (uniform ? 0 : rounds); ++r) {
-    const int64_t d = best.t * CONF_ONE - best.e * per_token;
+// probabilities before the caps, with decide_paths' Dinkelbach rounds.
+Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Costs& c, int64_t head, int rounds) {
+  const int64_t k = int64_t(cols.size());
+  const std::vector<int64_t> a = capped_jmajor(cols, n, caps, 0);
+  Ranked best = rank_ratio(a, n, k, c.uniform, c.ctx, c.f, c.f_len, head, c.per_token, c.min_gain);
+  for (int r = 0; r < (c.uniform ? 0 : rounds); ++r) {
+    const int64_t d = best.t * CONF_ONE - best.e * c.per_token;
     if (d <= 0) break;
-    Ranked got = rank(a.data(), n, k, 2, 0, d, best.e, ctx.data(), f.data(), f.size(), head, per_token, min_gain);
+    Ranked got = rank(a.data(), n, k, 2, 0, d, best.e, c.ctx, c.f, c.f_len, head, c.per_token, c.min_gain);
     if (got.score <= best.score) break;
     best = std::move(got);
   }
-  return py::make_tuple(py::array_t<int64_t>(n, best.keep.data()), best.score);
+  return best;
 }
 
 // controller/early_stop.py's worth_drafting_paths: cols, the j drafted positions' path
 // probabilities before the caps; the next position at rate_q; the best keep set with it (at
 // head_go) must keep a draft past j and beat the best without it (at head_stop).
-bool worth_drafting(const std::vector<I64>& cols, I64 cap, int64_t rate_q, I64 ctx, I64 f, int64_t head_stop,
-                    int64_t head_go, int64_t per_token, double min_gain, bool uniform) {
-  const int64_t j = int64_t(cols.size()), n = cap.size();
-  if (j == 0 || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
-  const int64_t* caps = cap.data();
-  std::vector<int64_t> a = capped_jmajor(cols, cap, size_t(n));
-  const int64_t* last = cols.back().data();
+bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t rate_q, const Costs& c,
+                       int64_t head_stop, int64_t head_go) {
+  const int64_t j = int64_t(cols.size());
+  std::vector<int64_t> a = capped_jmajor(cols, n, caps, size_t(n));
+  const int64_t* last = cols.back();
   for (int64_t i = 0; i < n; ++i) a.push_back(j < caps[i] ? (last[i] * rate_q) >> CONF_BITS : 0);
-  const Ranked go = rank_ratio(a, n, j + 1, uniform, ctx.data(), f.data(), f.size(), head_go, per_token, min_gain);
+  const Ranked go = rank_ratio(a, n, j + 1, c.uniform, c.ctx, c.f, c.f_len, head_go, c.per_token, c.min_gain);
   if (*std::max_element(go.keep.begin(), go.keep.end()) <= j) return false;
   a.resize(size_t(j * n));  // j-major: the first j positions
-  const Ranked stop = rank_ratio(a, n, j, uniform, ctx.data(), f.data(), f.size(), head_stop, per_token, min_gain);
+  const Ranked stop = rank_ratio(a, n, j, c.uniform, c.ctx, c.f, c.f_len, head_stop, c.per_token, c.min_gain);
   return go.score > stop.score;
 }
+
+py::tuple decide_cols(const std::vector<I64>& cols, I64 cap, I64 ctx, I64 f, int64_t head, int64_t per_token,
+                      double min_gain, bool uniform, int rounds) {
+  const int64_t n = cap.size();
+  if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
+  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
+  const Ranked best = decide_cols_on(column_pointers(cols, n), n, cap.data(), c, head, rounds);
+  return py::make_tuple(py::array_t<int64_t>(n, best.keep.data()), best.score);
+}
+
+bool worth_drafting(const std::vector<I64>& cols, I64 cap, int64_t rate_q, I64 ctx, I64 f, int64_t head_stop,
+                    int64_t head_go, int64_t per_token, double min_gain, bool uniform) {
+  const int64_t n = cap.size();
+  if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
+  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
+  return worth_drafting_on(column_pointers(cols, n), n, cap.data(), rate_q, c, head_stop, head_go);
+}
+
+// path_column's quantisation of one estimate (decision.py's quantize).
+int64_t quantize(double conf) {
+  const double r = std::nearbyint(conf * double(CONF_ONE));
+  if (std::isnan(r)) throw py::value_error("an acceptance estimate is not a number");
+  return r < 0 ? 0 : (r > double(CONF_ONE) ? CONF_ONE : int64_t(r));
+}
+
+// A large batch's adaptive step on the logistic estimate, compiled as batch 1's OneRow: it
+// reads the draft loop's (budget, n) buffers of top probabilities and margins itself, makes
+// each drafted position's estimates and path column once, and answers the early stop after
+// draft j (next_at) and the keep set after m drafts (keep_at) in one call each. The same
+// functions as logistic_column, path_column, worth_drafting and decide_cols, so the same
+// answers; what it saves is the Python between them (60 us a question at batch 32).
+class ManyRows {
+ public:
+  // heads[m]: the step's time besides validation after m draft steps (draft time, fixed
+  // cost and context), for m = 0..budget + 1; rates[j]: position j's conditional acceptance
+  // for a draft not yet made (the early stop's guess).
+  ManyRows(I64 cap, I64 ctx, I64 f, std::vector<int64_t> heads, const std::vector<double>& rates, int64_t per_token,
+           double min_gain, bool uniform, int rounds, std::shared_ptr<LogisticWeights> weights,
+           py::array_t<double> top, py::array_t<double> margin)
+      : n_(cap.size()), cap_(cap.data(), cap.data() + cap.size()), ctx_(ctx.data(), ctx.data() + ctx.size()),
+        f_(f.data(), f.data() + f.size()), heads_(std::move(heads)), rounds_(rounds), weights_(std::move(weights)),
+        top_(std::move(top)), margin_(std::move(margin)) {
+    if (ctx.size() != n_) throw py::value_error("ManyRows: cap and ctx must hold one value per sequence");
+    for (const auto* a : {&top_, &margin_}) {
+      if (a->ndim() != 2 || a->shape(1) != n_ || a->shape(0) != top_.shape(0) ||
+          a->strides(1) != sizeof(double) || a->strides(0) != n_ * int64_t(sizeof(double)))
+        throw py::value_error("ManyRows: top and margin must be equal (budget, n) float64 arrays with contiguous rows");
+    }
+    if (!weights_) throw py::value_error("ManyRows needs the logistic weights");
+    rows_ = top_.shape(0);
+    for (double r : rates) rates_q_.push_back(quantize(r));
+    costs_ = Costs{ctx_.data(), f_.data(), int64_t(f_.size()), per_token, min_gain, uniform};
+  }
+
+  // After j drafts: is draft j + 1 worth drafting?
+  bool next_at(int64_t j) {
+    if (j < 1 || j > rows_) throw py::index_error("ManyRows.next_at: no such row in the draft buffers");
+    add_up_to(j);
+    return worth_drafting_on(columns(j), n_, cap_.data(), rates_q_.at(size_t(j)), costs_, heads_.at(size_t(j)),
+                             heads_.at(size_t(j + 1)));
+  }
+
+  // The keep set after m drafts, per sequence.
+  py::array_t<int64_t> keep_at(int64_t m) {
+    if (m < 1 || m > rows_) throw py::index_error("ManyRows.keep_at: no such row in the draft buffers");
+    add_up_to(m);
+    const Ranked best = decide_cols_on(columns(m), n_, cap_.data(), costs_, heads_.at(size_t(m)), rounds_);
+    return py::array_t<int64_t>(n_, best.keep.data());
+  }
+
+  int64_t drafts() const { return int64_t(cols_.size()); }
+
+ private:
+  // Positions' path columns up to j: estimate (logistic_column), quantise, times the last.
+  void add_up_to(int64_t j) {
+    while (int64_t(cols_.size()) < j) {
+      const int64_t r = int64_t(cols_.size());
+      const std::vector<double>& w = weights_->w.at(size_t(r));
+      const double* p = top_.data() + r * n_;
+      const double* mg = margin_.data() + r * n_;
+      const int64_t* before = r ? cols_.back().data() : nullptr;
+      std::vector<int64_t> col(static_cast<size_t>(n_));
+      for (int64_t i = 0; i < n_; ++i) {
+        const int64_t q = quantize(logistic_estimate(w, p[i], mg[i]));
+        col[size_t(i)] = before ? (before[i] * q) >> CONF_BITS : q;
+      }
+      cols_.push_back(std::move(col));
+    }
+  }
+
+  Cols columns(int64_t j) const {
+    Cols out;
+    for (int64_t c = 0; c < j; ++c) out.push_back(cols_[size_t(c)].data());
+    return out;
+  }
+
+  int64_t n_, rows_ = 0;
+  std::vector<int64_t> cap_, ctx_, f_, heads_, rates_q_;
+  int rounds_;
+  std::shared_ptr<LogisticWeights> weights_;
+  py::array_t<double> top_, margin_;  // the draft loop's buffers (held, not copied)
+  Costs costs_{};
+  std::vector<std::vector<int64_t>> cols_;  // path columns of the positions estimated so far
+};
 
 }  // namespace
 
@@ -199,6 +353,15 @@ void bind_rank(py::module& m) {
   m.def("decide_cols", &decide_cols, "a large batch's keep set (controller/decision.py)", py::arg("cols"),
         py::arg("cap"), py::arg("ctx"), py::arg("f"), py::arg("head"), py::arg("per_token"), py::arg("min_gain"),
         py::arg("uniform"), py::arg("rounds"));
+  py::class_<ManyRows>(m, "ManyRows", "a large batch's early stop and keep set on the logistic estimate")
+      .def(py::init<I64, I64, I64, std::vector<int64_t>, const std::vector<double>&, int64_t, double, bool, int,
+                    std::shared_ptr<LogisticWeights>, py::array_t<double>, py::array_t<double>>(),
+           py::arg("cap"), py::arg("ctx"), py::arg("f"), py::arg("heads"), py::arg("rates"), py::arg("per_token"),
+           py::arg("min_gain"), py::arg("uniform"), py::arg("rounds"), py::arg("weights"), py::arg("top").noconvert(),
+           py::arg("margin").noconvert())
+      .def("next_at", &ManyRows::next_at, py::arg("j"))
+      .def("keep_at", &ManyRows::keep_at, py::arg("m"))
+      .def_property_readonly("drafts", &ManyRows::drafts);
   m.def("worth_drafting", &worth_drafting, "a large batch's early stop (controller/early_stop.py)", py::arg("cols"),
         py::arg("cap"), py::arg("rate_q"), py::arg("ctx"), py::arg("f"), py::arg("head_stop"), py::arg("head_go"),
         py::arg("per_token"), py::arg("min_gain"), py::arg("uniform"));
