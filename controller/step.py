@@ -140,7 +140,7 @@ class SpecStep:
         return lambda j: self.keep_drafting(top_prob[:j].T, margin[:j].T, tokens[:j].T)
 
     def _many_rows(self, top_prob: np.ndarray, margin: np.ndarray):
-        """A large batch's compiled ManyRows (models/csrc/rank.cpp) over the draft loop's
+        """A large batch's compiled ManyRows (models/csrc/many_rows.cpp) over the draft loop's
         (budget, n) float64 buffers, where it decides as keep_drafting and keep would (the
         same functions on the same integers), else None: small batches, probes, other
         estimators, no kernels, or buffers of another layout."""

@@ -25,7 +25,8 @@ from torch import nn
 log = logging.getLogger("adaspec.kernels")
 NAME = "adaspec_cpu_ops"
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "gemm.cpp", "elementwise.cpp",
-                                                                     "thread_pool.cpp", "one_row.cpp", "rank.cpp")]
+                                                                     "thread_pool.cpp", "one_row.cpp", "rank.cpp",
+                                                                     "many_rows.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / name for name in ("vec_math.h", "thread_pool.h", "decide.h")]
 CACHE_ROOT = Path(os.environ.get("ADASPEC_KERNEL_CACHE", "~/.cache/adaspec/kernels")).expanduser()
 _lock = threading.Lock()

@@ -235,6 +235,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 // one_row.cpp: batch 1's speculation decisions
 void bind_one_row(py::module& m);
 void bind_rank(py::module& m);
+void bind_many_rows(py::module& m);
 
 // The kernels touch no Python object: they run without the interpreter lock, so other
 // threads of the process (a server's request handling) go on meanwhile.
@@ -255,4 +256,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_num_threads", &adaspec::get_num_threads, "threads of the kernels' pool");
   bind_one_row(m);
   bind_rank(m);
+  bind_many_rows(m);
 }

@@ -1,5 +1,6 @@
-// What one_row.cpp (batch 1) and rank.cpp (a large batch) share: the logistic acceptance
-// estimate and its weights (controller/estimators.py).
+// What one_row.cpp (batch 1), rank.cpp and many_rows.cpp (a large batch) share: the logistic
+// acceptance estimate and its weights (controller/estimators.py), and a large batch's
+// decisions on path-probability columns (rank.cpp).
 #pragma once
 
 #include <cstdint>
@@ -16,3 +17,30 @@ struct LogisticWeights {
 // The logistic estimate for one draft (one_row.cpp): the same double as estimators.py's
 // logistic_estimate, from its position's weights, top probability p and margin m.
 double logistic_estimate(const std::vector<double>& w, double p, double m);
+
+// A ranking's best prefix: keep per sequence, the kept count, and its score, E and T.
+struct Ranked {
+  std::vector<int64_t> keep;
+  int64_t count = 0, e = 0, t = 0;
+  double score = 0.0;
+};
+
+// Columns as pointers: the py arrays a call passes, or the columns a ManyRows holds.
+using Cols = std::vector<const int64_t*>;
+
+// The costs every ranking of one step reads.
+struct Costs {
+  const int64_t* ctx;
+  const int64_t* f;
+  int64_t f_len, per_token;
+  double min_gain;
+  bool uniform;
+};
+
+// controller/decision.py's decide_cols on columns (rank.cpp).
+Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Costs& c, int64_t head, int rounds);
+// controller/early_stop.py's worth_drafting_paths on columns (rank.cpp).
+bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t rate_q, const Costs& c,
+                       int64_t head_stop, int64_t head_go);
+// decision.py's quantize of one estimate: round half to even, clipped to [0, CONF_ONE] (rank.cpp).
+int64_t quantize_estimate(double conf);

@@ -2,21 +2,21 @@
 // (`decide_cols`) and the path columns (`path_column`) of controller/early_stop.py,
 // decision.py and step.py. Both decisions rank every candidate draft and take the best
 // prefix (`rank`, controller/decision.py's `rank_best`; exposed as rank_best so the tests
-// compare the two directly), several times a step when the early stop asks.
+// compare the two directly), several times a step when the early stop asks; many_rows.cpp
+// holds a step's worth of them in one object.
 //
 // Why compiled: at batch 32-256 the rule's argsort, cumulative sums and temporaries took
 // 0.07-0.11 ms a call between two forward passes, about half of the controller's time.
 //
 // Same answers as the numpy, bit for bit: the same int64 keys and sums, a stable sort
-// (ties in index order, j-major; a radix sort here), IEEE double division of integers below 2^53, the
-// min_gain divisors by repeated multiplication, and the first of equal scores
-// (tests/test_decision.py compares both).
+// (ties in index order, j-major; a radix sort here), IEEE double division of integers
+// below 2^53, the min_gain divisors by repeated multiplication, and the first of equal
+// scores (tests/test_decision.py compares both).
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <numeric>
 #include <vector>
@@ -34,12 +34,6 @@ constexpr int CONF_BITS = 12;  // controller/decision.py
 constexpr int64_t CONF_ONE = int64_t(1) << CONF_BITS;
 constexpr int RATIO_BITS = 24;
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-
-struct Ranked {
-  std::vector<int64_t> keep;
-  int64_t count = 0, e = 0, t = 0;
-  double score = 0.0;
-};
 
 // a: j-major quantised path probabilities (a[j * n + i] for sequence i's draft j), 0 where a
 // draft may not be kept; the key of candidate (i, j) is a (mode 0), a << RATIO_BITS //
@@ -144,7 +138,6 @@ std::vector<int64_t> jmajor(const I64& a) {
   return out;
 }
 
-int64_t quantize(double conf);
 
 // controller/step.py's path columns: position j's quantised estimates times the path
 // probabilities of position j - 1 (none for the first), as decision.py's quantize and path_probs.
@@ -157,7 +150,7 @@ py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::ar
   py::array_t<int64_t> out(n);
   int64_t* o = out.mutable_data();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t q = quantize(c[i]);
+    const int64_t q = quantize_estimate(c[i]);
     o[i] = before ? (before[i] * q) >> CONF_BITS : q;
   }
   return out;
@@ -173,9 +166,6 @@ py::tuple rank_best(I64 a, int mode, int64_t s, int64_t d, int64_t e0, I64 ctx, 
   const Ranked r = rank(aj.data(), n, k, mode, s, d, e0, ctx.data(), f.data(), f.size(), head, per_token, min_gain);
   return py::make_tuple(py::array_t<int64_t>(n, r.keep.data()), r.count, r.score, r.e, r.t);
 }
-
-// Columns as pointers: the py arrays a call passes, or the columns a ManyRows holds.
-using Cols = std::vector<const int64_t*>;
 
 Cols column_pointers(const std::vector<I64>& cols, int64_t n) {
   Cols out;
@@ -197,14 +187,24 @@ std::vector<int64_t> capped_jmajor(const Cols& cols, int64_t n, const int64_t* c
   return a;
 }
 
-// The costs every ranking of one step reads.
-struct Costs {
-  const int64_t* ctx;
-  const int64_t* f;
-  int64_t f_len, per_token;
-  double min_gain;
-  bool uniform;
-};
+py::tuple decide_cols(const std::vector<I64>& cols, I64 cap, I64 ctx, I64 f, int64_t head, int64_t per_token,
+                      double min_gain, bool uniform, int rounds) {
+  const int64_t n = cap.size();
+  if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
+  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
+  const Ranked best = decide_cols_on(column_pointers(cols, n), n, cap.data(), c, head, rounds);
+  return py::make_tuple(py::array_t<int64_t>(n, best.keep.data()), best.score);
+}
+
+bool worth_drafting(const std::vector<I64>& cols, I64 cap, int64_t rate_q, I64 ctx, I64 f, int64_t head_stop,
+                    int64_t head_go, int64_t per_token, double min_gain, bool uniform) {
+  const int64_t n = cap.size();
+  if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
+  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
+  return worth_drafting_on(column_pointers(cols, n), n, cap.data(), rate_q, c, head_stop, head_go);
+}
+
+}  // namespace
 
 // controller/decision.py's decide_cols: the keep set from the drafted positions' path
 // probabilities before the caps, with decide_paths' Dinkelbach rounds.
@@ -238,111 +238,12 @@ bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t
   return go.score > stop.score;
 }
 
-py::tuple decide_cols(const std::vector<I64>& cols, I64 cap, I64 ctx, I64 f, int64_t head, int64_t per_token,
-                      double min_gain, bool uniform, int rounds) {
-  const int64_t n = cap.size();
-  if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
-  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
-  const Ranked best = decide_cols_on(column_pointers(cols, n), n, cap.data(), c, head, rounds);
-  return py::make_tuple(py::array_t<int64_t>(n, best.keep.data()), best.score);
-}
-
-bool worth_drafting(const std::vector<I64>& cols, I64 cap, int64_t rate_q, I64 ctx, I64 f, int64_t head_stop,
-                    int64_t head_go, int64_t per_token, double min_gain, bool uniform) {
-  const int64_t n = cap.size();
-  if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
-  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
-  return worth_drafting_on(column_pointers(cols, n), n, cap.data(), rate_q, c, head_stop, head_go);
-}
-
 // path_column's quantisation of one estimate (decision.py's quantize).
-int64_t quantize(double conf) {
+int64_t quantize_estimate(double conf) {
   const double r = std::nearbyint(conf * double(CONF_ONE));
   if (std::isnan(r)) throw py::value_error("an acceptance estimate is not a number");
   return r < 0 ? 0 : (r > double(CONF_ONE) ? CONF_ONE : int64_t(r));
 }
-
-// A large batch's adaptive step on the logistic estimate, compiled as batch 1's OneRow: it
-// reads the draft loop's (budget, n) buffers of top probabilities and margins itself, makes
-// each drafted position's estimates and path column once, and answers the early stop after
-// draft j (next_at) and the keep set after m drafts (keep_at) in one call each. The same
-// functions as logistic_column, path_column, worth_drafting and decide_cols, so the same
-// answers; what it saves is the Python between them (60 us a question at batch 32).
-class ManyRows {
- public:
-  // heads[m]: the step's time besides validation after m draft steps (draft time, fixed
-  // cost and context), for m = 0..budget + 1; rates[j]: position j's conditional acceptance
-  // for a draft not yet made (the early stop's guess).
-  ManyRows(I64 cap, I64 ctx, I64 f, std::vector<int64_t> heads, const std::vector<double>& rates, int64_t per_token,
-           double min_gain, bool uniform, int rounds, std::shared_ptr<LogisticWeights> weights,
-           py::array_t<double> top, py::array_t<double> margin)
-      : n_(cap.size()), cap_(cap.data(), cap.data() + cap.size()), ctx_(ctx.data(), ctx.data() + ctx.size()),
-        f_(f.data(), f.data() + f.size()), heads_(std::move(heads)), rounds_(rounds), weights_(std::move(weights)),
-        top_(std::move(top)), margin_(std::move(margin)) {
-    if (ctx.size() != n_) throw py::value_error("ManyRows: cap and ctx must hold one value per sequence");
-    for (const auto* a : {&top_, &margin_}) {
-      if (a->ndim() != 2 || a->shape(1) != n_ || a->shape(0) != top_.shape(0) ||
-          a->strides(1) != sizeof(double) || a->strides(0) != n_ * int64_t(sizeof(double)))
-        throw py::value_error("ManyRows: top and margin must be equal (budget, n) float64 arrays with contiguous rows");
-    }
-    if (!weights_) throw py::value_error("ManyRows needs the logistic weights");
-    rows_ = top_.shape(0);
-    for (double r : rates) rates_q_.push_back(quantize(r));
-    costs_ = Costs{ctx_.data(), f_.data(), int64_t(f_.size()), per_token, min_gain, uniform};
-  }
-
-  // After j drafts: is draft j + 1 worth drafting?
-  bool next_at(int64_t j) {
-    if (j < 1 || j > rows_) throw py::index_error("ManyRows.next_at: no such row in the draft buffers");
-    add_up_to(j);
-    return worth_drafting_on(columns(j), n_, cap_.data(), rates_q_.at(size_t(j)), costs_, heads_.at(size_t(j)),
-                             heads_.at(size_t(j + 1)));
-  }
-
-  // The keep set after m drafts, per sequence.
-  py::array_t<int64_t> keep_at(int64_t m) {
-    if (m < 1 || m > rows_) throw py::index_error("ManyRows.keep_at: no such row in the draft buffers");
-    add_up_to(m);
-    const Ranked best = decide_cols_on(columns(m), n_, cap_.data(), costs_, heads_.at(size_t(m)), rounds_);
-    return py::array_t<int64_t>(n_, best.keep.data());
-  }
-
-  int64_t drafts() const { return int64_t(cols_.size()); }
-
- private:
-  // Positions' path columns up to j: estimate (logistic_column), quantise, times the last.
-  void add_up_to(int64_t j) {
-    while (int64_t(cols_.size()) < j) {
-      const int64_t r = int64_t(cols_.size());
-      const std::vector<double>& w = weights_->w.at(size_t(r));
-      const double* p = top_.data() + r * n_;
-      const double* mg = margin_.data() + r * n_;
-      const int64_t* before = r ? cols_.back().data() : nullptr;
-      std::vector<int64_t> col(static_cast<size_t>(n_));
-      for (int64_t i = 0; i < n_; ++i) {
-        const int64_t q = quantize(logistic_estimate(w, p[i], mg[i]));
-        col[size_t(i)] = before ? (before[i] * q) >> CONF_BITS : q;
-      }
-      cols_.push_back(std::move(col));
-    }
-  }
-
-  Cols columns(int64_t j) const {
-    Cols out;
-    for (int64_t c = 0; c < j; ++c) out.push_back(cols_[size_t(c)].data());
-    return out;
-  }
-
-  int64_t n_, rows_ = 0;
-  std::vector<int64_t> cap_, ctx_, f_, heads_, rates_q_;
-  int rounds_;
-  std::shared_ptr<LogisticWeights> weights_;
-  py::array_t<double> top_, margin_;  // the draft loop's buffers (held, not copied)
-  Costs costs_{};
-  std::vector<std::vector<int64_t>> cols_;  // path columns of the positions estimated so far
-};
-
-}  // namespace
 
 void bind_rank(py::module& m) {
   m.def("rank_best", &rank_best, "a batch's ranked candidates and their best prefix (controller/decision.py)",
@@ -353,15 +254,6 @@ void bind_rank(py::module& m) {
   m.def("decide_cols", &decide_cols, "a large batch's keep set (controller/decision.py)", py::arg("cols"),
         py::arg("cap"), py::arg("ctx"), py::arg("f"), py::arg("head"), py::arg("per_token"), py::arg("min_gain"),
         py::arg("uniform"), py::arg("rounds"));
-  py::class_<ManyRows>(m, "ManyRows", "a large batch's early stop and keep set on the logistic estimate")
-      .def(py::init<I64, I64, I64, std::vector<int64_t>, const std::vector<double>&, int64_t, double, bool, int,
-                    std::shared_ptr<LogisticWeights>, py::array_t<double>, py::array_t<double>>(),
-           py::arg("cap"), py::arg("ctx"), py::arg("f"), py::arg("heads"), py::arg("rates"), py::arg("per_token"),
-           py::arg("min_gain"), py::arg("uniform"), py::arg("rounds"), py::arg("weights"), py::arg("top").noconvert(),
-           py::arg("margin").noconvert())
-      .def("next_at", &ManyRows::next_at, py::arg("j"))
-      .def("keep_at", &ManyRows::keep_at, py::arg("m"))
-      .def_property_readonly("drafts", &ManyRows::drafts);
   m.def("worth_drafting", &worth_drafting, "a large batch's early stop (controller/early_stop.py)", py::arg("cols"),
         py::arg("cap"), py::arg("rate_q"), py::arg("ctx"), py::arg("f"), py::arg("head_stop"), py::arg("head_go"),
         py::arg("per_token"), py::arg("min_gain"), py::arg("uniform"));
