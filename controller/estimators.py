@@ -58,15 +58,18 @@ class Calibrator:
         hits, trials = self.hits[j, b], self.trials[j, b]
         return (hits + PRIOR_WEIGHT * self.centers[b]) / (trials + PRIOR_WEIGHT)
 
-    def update(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
-        """Count each trial and hit (`outcomes`) in its (position, bucket)."""
+    def update(self, top_prob: np.ndarray, verified: np.ndarray, accepted: np.ndarray, repeat: int = 1) -> None:
+        """Count each trial and hit (`outcomes`) in its (position, bucket), `repeat` times (each
+        stands for that many: a sample of the calibration batch)."""
         n, k = top_prob.shape
         trial, hit = outcomes(k, verified, accepted)
         rows, pos = np.nonzero(trial)
         cell = pos * NUM_BUCKETS + self.buckets(top_prob[rows, pos])  # only the trials' buckets
         size = k * NUM_BUCKETS
-        self.trials[:k] += np.bincount(cell, minlength=size).reshape(k, NUM_BUCKETS)
-        self.hits[:k] += np.bincount(cell, hit[rows, pos], minlength=size).astype(np.int64).reshape(k, NUM_BUCKETS)
+        trials = np.bincount(cell, minlength=size).reshape(k, NUM_BUCKETS)
+        hits = np.bincount(cell, hit[rows, pos], minlength=size).astype(np.int64).reshape(k, NUM_BUCKETS)
+        self.trials[:k] += repeat * trials
+        self.hits[:k] += repeat * hits
         full = self.trials >= HALVE_AT
         if full.any():
             self.trials[full] //= 2

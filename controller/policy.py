@@ -31,6 +31,7 @@ PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding t
 OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at least this many steps ...
 OBSERVE_ROWS = 256  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 256  # ... but never more steps than this
+CALIBRATE_ROWS = 1024  # a batch of more sequence-steps fits on an evenly spaced sample of about this many
 COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, every adaptive step probes and
 # its outcomes reach the calibrators at once (a cold start: see begin_step)
 
@@ -55,6 +56,7 @@ class SpecPolicy:
         self.cold = True  # fewer than COLD_TRIALS first drafts verified so far (set by every calibration batch)
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
+        self._batches = 0  # calibration batches so far (the large batches' sample offset rotates with them)
         self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
         self._f_cache: dict[tuple, tuple] = {}  # values a time model gives a batch size (f_values, draft_step_ms)
         self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms); _set_rates empties it
@@ -259,15 +261,21 @@ class SpecPolicy:
             self._observed = self._pending_rows = 0
             self._set_rates()
             return
-        top, margin, weights = _stacked(self._pending)
-        verified = np.concatenate([p[2] for p in self._pending])
-        accepted = np.concatenate([p[3] for p in self._pending])
+        # A large batch's calibration batch (batch 256: 8,000 sequence-steps, about 5 ms) fits on
+        # every r-th sequence-step, each counted r times: the same sums in expectation, at 1/r of
+        # the cost. The sample's offset rotates with the batches, so every row position takes turns.
+        r = -(-self._pending_rows // CALIBRATE_ROWS)
+        pending = _every(self._pending, r, self._batches % r) if r > 1 else self._pending
+        self._batches += 1
+        top, margin, weights = _stacked(pending)
+        verified = np.concatenate([p[2] for p in pending])
+        accepted = np.concatenate([p[3] for p in pending])
         steps = len(self._pending)  # steps that verified something: the evidence fades once per such step
         self._pending, self._observed, self._pending_rows = [], 0, 0
-        self.calibrator.update(top, verified, accepted)
+        self.calibrator.update(top, verified, accepted, repeat=r)
         self.cold = int(self.calibrator.trials[0].sum()) < COLD_TRIALS
         if self.cfg.adaptive.estimator == "top_prob_logistic":
-            self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights)
+            self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights * r if r > 1 else weights)
         self._set_rates()
 
     def _set_rates(self) -> None:
@@ -276,6 +284,19 @@ class SpecPolicy:
         self.shares = self.yields.shares(rates)  # the budget's
         self._budget_cache = {}  # its terms follow the shares
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
+
+
+def _every(pending: list[tuple], r: int, offset: int) -> list[tuple]:
+    """The pending steps' sequence-steps numbered offset, offset + r, offset + 2r, .. (counting
+    across the steps in order), as pending steps of their own; steps left with none drop out."""
+    out, base = [], 0
+    for top, margin, verified, accepted, rule, width in pending:
+        start = (offset - base) % r
+        base += len(verified)
+        if start < len(verified):
+            out.append((top[start::r], margin[start::r], verified[start::r], accepted[start::r],
+                        None if rule is None else rule[start::r], width))
+    return out
 
 
 def _stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -338,3 +338,48 @@ def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
         assert np.asarray(step.rule_keep).tolist() == expected.tolist()
         drafted.append(m)
     assert max(drafted) > 2, drafted  # some early stops let drafting go on
+
+
+def test_every_takes_evenly_spaced_sequence_steps_across_steps():
+    from controller.policy import _every
+
+    steps = [(np.arange(n * 2).reshape(n, 2) + 100 * i, np.zeros((n, 2)), np.arange(n) + 100 * i, np.zeros(n),
+              None if i % 2 else list(range(n)), 2) for i, n in enumerate([5, 3, 1, 6])]
+    picked = _every(steps, 3, 1)  # global rows 1, 4, 7, 10, 13 of 0..14
+    assert [p[2].tolist() for p in picked] == [[1, 4], [102], [301, 304]]  # the step of one row has none
+    assert picked[0][4] == [1, 4] and picked[1][4] is None
+    assert picked[2][0].tolist() == [[302, 303], [308, 309]]
+
+
+def test_a_large_batch_calibrates_on_a_sample_that_counts_for_the_whole():
+    """Batch 256: a calibration batch of 8,192 sequence-steps fits on every 8th, counted 8 times.
+    The counts, the logistic model's curvature and its estimates stay those of the whole batch."""
+    import controller.policy as policy_module
+
+    def taught(sample: bool) -> SpecPolicy:
+        rng = np.random.default_rng(4)
+        policy = _policy(k=3)
+        if not sample:
+            policy_module.CALIBRATE_ROWS, saved = 10**9, policy_module.CALIBRATE_ROWS
+        try:
+            for _ in range(3 * 32):  # three calibration batches
+                top = rng.beta(2, 2, (256, 3))
+                margin = top * rng.uniform(0.2, 1.0, (256, 3))
+                accepted = (rng.random((256, 3)) < top).cumprod(1).sum(1)  # each draft accepted w.p. its top prob
+                policy.observe(top, margin, np.full(256, 3), accepted)
+        finally:
+            if not sample:
+                policy_module.CALIBRATE_ROWS = saved
+        return policy
+
+    whole, sampled = taught(False), taught(True)
+    assert sampled._batches == 3
+    assert not np.array_equal(whole.logistic.h, sampled.logistic.h)  # the sample was taken
+    # the counts (halved at HALVE_AT a bucket, so only near) and the rates they give
+    assert np.allclose(sampled.calibrator.trials.sum(1), whole.calibrator.trials.sum(1), rtol=0.25)
+    assert np.allclose(sampled.calibrator.position_rates(), whole.calibrator.position_rates(), atol=0.04)
+    assert np.allclose(np.diagonal(sampled.logistic.h[:3], axis1=1, axis2=2), np.diagonal(whole.logistic.h[:3],
+                       axis1=1, axis2=2), rtol=0.2)
+    probe = np.array([[0.2, 0.5, 0.9], [0.7, 0.4, 0.3]])
+    estimates = sampled.logistic.estimate(probe, probe * 0.5)
+    assert np.abs(estimates - whole.logistic.estimate(probe, probe * 0.5)).max() < 0.05
