@@ -21,7 +21,8 @@ from controller.config import SpeculativeConfig
 from controller.decision import SMALL, draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
-from controller.step import EXPLORE_EVERY, SpecStep
+from controller.pending import every, stacked
+from controller.step import SpecStep
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import DraftYields, prior_rates
 
@@ -265,9 +266,9 @@ class SpecPolicy:
         # every r-th sequence-step, each counted r times: the same sums in expectation, at 1/r of
         # the cost. The sample's offset rotates with the batches, so every row position takes turns.
         r = -(-self._pending_rows // CALIBRATE_ROWS)
-        pending = _every(self._pending, r, self._batches % r) if r > 1 else self._pending
+        pending = every(self._pending, r, self._batches % r) if r > 1 else self._pending
         self._batches += 1
-        top, margin, weights = _stacked(pending)
+        top, margin, weights = stacked(pending)
         verified = np.concatenate([p[2] for p in pending])
         accepted = np.concatenate([p[3] for p in pending])
         steps = len(self._pending)  # steps that verified something: the evidence fades once per such step
@@ -275,7 +276,7 @@ class SpecPolicy:
         self.calibrator.update(top, verified, accepted, repeat=r)
         self.cold = int(self.calibrator.trials[0].sum()) < COLD_TRIALS
         if self.cfg.adaptive.estimator == "top_prob_logistic":
-            self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights * r if r > 1 else weights)
+            self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights * r)
         self._set_rates()
 
     def _set_rates(self) -> None:
@@ -284,40 +285,3 @@ class SpecPolicy:
         self.shares = self.yields.shares(rates)  # the budget's
         self._budget_cache = {}  # its terms follow the shares
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
-
-
-def _every(pending: list[tuple], r: int, offset: int) -> list[tuple]:
-    """The pending steps' sequence-steps numbered offset, offset + r, offset + 2r, .. (counting
-    across the steps in order), as pending steps of their own; steps left with none drop out."""
-    out, base = [], 0
-    for top, margin, verified, accepted, rule, width in pending:
-        start = (offset - base) % r
-        base += len(verified)
-        if start < len(verified):
-            out.append((top[start::r], margin[start::r], verified[start::r], accepted[start::r],
-                        None if rule is None else rule[start::r], width))
-    return out
-
-
-def _stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The pending steps' top probabilities and margins, the first w_i columns of each step's
-    (n_i, m_i) (w_i: the drafts some sequence verified), as (rows, width) arrays, past a step's
-    width 0 and 1 (nothing was verified there), and each draft's weight: EXPLORE_EVERY for
-    drafts only exploration verified (at or past the rule's choice), which stand for the
-    EXPLORE_EVERY - 1 unverified like them, else 1. Built in a few array operations, not a few
-    per step: at batch 1 a batch of 256 steps took 3.5 ms one by one. (Steps hand their whole
-    draft block and the slicing happens here: between forward passes it cost batch 1 about
-    10 us a step.)"""
-    widths = [p[5] for p in pending]
-    counts = [len(p[0]) for p in pending]
-    rules: list = []
-    for (t, _, _, _, rule, w) in pending:
-        rules.extend([w] * len(t) if rule is None else list(rule))
-    width, rows = max(widths), sum(counts)
-    col = np.arange(width)[None, :]
-    inside = col < np.repeat(np.asarray(widths), counts)[:, None]  # row-major, as each step's ravel
-    top, margin, weights = np.zeros((rows, width)), np.ones((rows, width)), np.ones((rows, width))
-    top[inside] = np.concatenate([t[:, :w].ravel() for t, _, _, _, _, w in pending])
-    margin[inside] = np.concatenate([m[:, :w].ravel() for _, m, _, _, _, w in pending])
-    weights[inside & (col >= np.asarray(rules, dtype=np.int64)[:, None])] = float(EXPLORE_EVERY)
-    return top, margin, weights

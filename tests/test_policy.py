@@ -7,7 +7,8 @@ import pytest
 
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
-from controller.policy import PROBE_EVERY, PROBE_MAX_EVERY, SpecPolicy, _stacked
+from controller.pending import stacked as _stacked
+from controller.policy import PROBE_EVERY, PROBE_MAX_EVERY, SpecPolicy
 from controller.step import EXPLORE_EVERY
 from controller.time_model import TimeModel
 
@@ -341,11 +342,11 @@ def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
 
 
 def test_every_takes_evenly_spaced_sequence_steps_across_steps():
-    from controller.policy import _every
+    from controller.pending import every
 
     steps = [(np.arange(n * 2).reshape(n, 2) + 100 * i, np.zeros((n, 2)), np.arange(n) + 100 * i, np.zeros(n),
               None if i % 2 else list(range(n)), 2) for i, n in enumerate([5, 3, 1, 6])]
-    picked = _every(steps, 3, 1)  # global rows 1, 4, 7, 10, 13 of 0..14
+    picked = every(steps, 3, 1)  # global rows 1, 4, 7, 10, 13 of 0..14
     assert [p[2].tolist() for p in picked] == [[1, 4], [102], [301, 304]]  # the step of one row has none
     assert picked[0][4] == [1, 4] and picked[1][4] is None
     assert picked[2][0].tolist() == [[302, 303], [308, 309]]

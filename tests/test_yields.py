@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from controller.config import AdaptiveConfig, SpeculativeConfig
-from controller.policy import EXPLORE_EVERY, SpecPolicy
+from controller.policy import SpecPolicy
+from controller.step import EXPLORE_EVERY
 from controller.time_model import TimeModel
 
 N = 8

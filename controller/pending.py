@@ -1,0 +1,45 @@
+"""A calibration batch's pending steps (SpecPolicy.observe holds them until the batch):
+each step's (top_prob, margin, verified, accepted, rule, width), taken apart and stacked
+into the arrays the estimators fit on."""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.step import EXPLORE_EVERY
+
+
+def every(pending: list[tuple], r: int, offset: int) -> list[tuple]:
+    """The pending steps' sequence-steps numbered offset, offset + r, offset + 2r, .. (counting
+    across the steps in order), as pending steps of their own; steps left with none drop out."""
+    out, base = [], 0
+    for top, margin, verified, accepted, rule, width in pending:
+        start = (offset - base) % r
+        base += len(verified)
+        if start < len(verified):
+            out.append((top[start::r], margin[start::r], verified[start::r], accepted[start::r],
+                        None if rule is None else rule[start::r], width))
+    return out
+
+
+def stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pending steps' top probabilities and margins, the first w_i columns of each step's
+    (n_i, m_i) (w_i: the drafts some sequence verified), as (rows, width) arrays, past a step's
+    width 0 and 1 (nothing was verified there), and each draft's weight: EXPLORE_EVERY for
+    drafts only exploration verified (at or past the rule's choice), which stand for the
+    EXPLORE_EVERY - 1 unverified like them, else 1. Built in a few array operations, not a few
+    per step: at batch 1 a batch of 256 steps took 3.5 ms one by one. (Steps hand their whole
+    draft block and the slicing happens here: between forward passes it cost batch 1 about
+    10 us a step.)"""
+    widths = [p[5] for p in pending]
+    counts = [len(p[0]) for p in pending]
+    rules: list = []
+    for (t, _, _, _, rule, w) in pending:
+        rules.extend([w] * len(t) if rule is None else list(rule))
+    width, rows = max(widths), sum(counts)
+    col = np.arange(width)[None, :]
+    inside = col < np.repeat(np.asarray(widths), counts)[:, None]  # row-major, as each step's ravel
+    top, margin, weights = np.zeros((rows, width)), np.ones((rows, width)), np.ones((rows, width))
+    top[inside] = np.concatenate([t[:, :w].ravel() for t, _, _, _, _, w in pending])
+    margin[inside] = np.concatenate([m[:, :w].ravel() for _, m, _, _, _, w in pending])
+    weights[inside & (col >= np.asarray(rules, dtype=np.int64)[:, None])] = float(EXPLORE_EVERY)
+    return top, margin, weights
