@@ -126,9 +126,13 @@ class SpecStep:
 
     def early_stop(self, top_prob: np.ndarray, margin: np.ndarray, tokens):
         """The early stop over the draft loop's (budget, n) buffers, which it fills a row per
-        position: a callable j -> keep_drafting after j drafts. Batch 1 on the logistic
-        estimate: its OneRow's next_at, which reads row j - 1 itself, so the question between
-        two draft forwards is one call (compiled, where the kernels load)."""
+        position: a callable j -> keep_drafting after j drafts, or None where the step drafts
+        its whole budget (static steps, probes, early_stop off: asking cost static-3 about 20
+        us a step at batch 1). Batch 1 on the logistic estimate: its OneRow's next_at, which
+        reads row j - 1 itself, so the question between two draft forwards is one call
+        (compiled, where the kernels load)."""
+        if self.mode != "oracle" and (self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop):
+            return None
         if self.one_row_ok and not self.probe and self.policy.cfg.adaptive.early_stop:
             one = self._one_row()
             one.watch(top_prob, margin)

@@ -384,3 +384,20 @@ def test_a_large_batch_calibrates_on_a_sample_that_counts_for_the_whole():
     probe = np.array([[0.2, 0.5, 0.9], [0.7, 0.4, 0.3]])
     estimates = sampled.logistic.estimate(probe, probe * 0.5)
     assert np.abs(estimates - whole.logistic.estimate(probe, probe * 0.5)).max() < 0.05
+
+
+def test_only_steps_that_may_stop_early_ask():
+    """Static steps and probes draft their whole budget: the draft loop gets no early stop to
+    call (None); adaptive and oracle steps get one."""
+    policy = _policy(k=4)
+    policy.install(TimeModel(version=1, b0=8.0, b1=0.01, b2=0.0, d0=0.3, d1=0.001))
+    kv, cap = np.full(2, 100), np.full(2, 4)
+    buffers = (np.zeros((4, 2)), np.zeros((4, 2)), np.zeros((4, 2), dtype=np.int64))
+    assert policy.begin_step("static", kv, cap, 1, 4).early_stop(*buffers) is None
+    step = policy.begin_step("adaptive", kv, cap, 1, 4)  # the first adaptive step probes
+    assert step.probe and step.early_stop(*buffers) is None
+    policy.cold, policy.last_probe = False, policy.adaptive_steps
+    step = policy.begin_step("adaptive", kv, cap, 1, 4)
+    assert not step.probe and callable(step.early_stop(*buffers))
+    oracle = policy.begin_step("oracle", kv, cap, 1, 4, np.ones((2, 4), dtype=np.int64))
+    assert callable(oracle.early_stop(*buffers))

@@ -230,7 +230,8 @@ class ModelRunner:
 
     def _draft_rows(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, early_stop,
                     trace: bool) -> DraftBlock:
-        """Up to `budget` draft positions for every one of seqs; early_stop: SpecStep.early_stop.
+        """Up to `budget` draft positions for every one of seqs; early_stop: SpecStep.early_stop
+        (its answer None: no early stop).
         Position j's tokens and confidence inputs go into row j of (budget, n) buffers, which
         the early stop and the block read: nothing is stacked or converted between the
         draft's forward passes but one kernel call (sampler.draft_top2)."""
@@ -265,11 +266,12 @@ class ModelRunner:
                 entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
             if j == budget - 1:
                 break
-            t0 = time.perf_counter()
-            more = keep_drafting(m)
-            control_ms += (time.perf_counter() - t0) * 1e3
-            if not more:
-                break
+            if keep_drafting is not None:  # None: the whole budget
+                t0 = time.perf_counter()
+                more = keep_drafting(m)
+                control_ms += (time.perf_counter() - t0) * 1e3
+                if not more:
+                    break
             logits = self.proposer.next(run, d.to(self.device))
         return DraftBlock(tokens[:m].T, top[:m].T, chosen[:m].T, m, {i: torch.stack(rows) for i, rows in qs.items()},
                           margin[:m].T, torch.stack(entropies, 1).double().numpy() if trace else None, control_ms,

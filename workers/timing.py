@@ -72,6 +72,6 @@ def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3) -
             s.num_computed, s.draft_len = ctx, start + 1
             s.reset_hidden(start, torch.zeros(SWEEP_CATCHUP, hidden, dtype=w.dtype, device=w.device))
             del s.tokens[ctx + 1:]
-        runner._draft_rows(seqs, params, steps, lambda *_: lambda j: True, False)
+        runner._draft_rows(seqs, params, steps, lambda *_: None, False)
 
     return _timed(run, runs)
