@@ -133,7 +133,8 @@ class SpecStep:
         (compiled, where the kernels load)."""
         if self.mode != "oracle" and (self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop):
             return None
-        if self.one_row_ok and not self.probe and self.policy.cfg.adaptive.early_stop:
+        # from here: an oracle step, or an adaptive one that may stop early
+        if self.one_row_ok:
             one = self._one_row()
             one.watch(top_prob, margin)
             self._watched = True
@@ -144,13 +145,14 @@ class SpecStep:
         return lambda j: self.keep_drafting(top_prob[:j].T, margin[:j].T, tokens[:j].T)
 
     def _many_rows(self, top_prob: np.ndarray, margin: np.ndarray):
-        """A large batch's compiled ManyRows (models/csrc/many_rows.cpp) over the draft loop's
+        """For early_stop, past its checks (no probe, early_stop on, not batch 1's OneRow): a
+        large batch's compiled ManyRows (models/csrc/many_rows.cpp) over the draft loop's
         (budget, n) float64 buffers, where it decides as keep_drafting and keep would (the
-        same functions on the same integers), else None: small batches, probes, other
+        same functions on the same integers), else None: oracle steps, small batches, other
         estimators, no kernels, or buffers of another layout."""
         policy = self.policy
         compiled, adaptive = policy.compiled, policy.cfg.adaptive
-        if (compiled is None or self.mode != "adaptive" or self.probe or not adaptive.early_stop or self.one_row_ok
+        if (compiled is None or self.mode != "adaptive"
                 or adaptive.estimator != "top_prob_logistic" or len(self.kv) * self.kmax <= SMALL
                 or top_prob.dtype != np.float64 or margin.dtype != np.float64
                 or not (top_prob.flags.c_contiguous and margin.flags.c_contiguous)):

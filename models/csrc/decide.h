@@ -44,3 +44,6 @@ bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t
                        int64_t head_stop, int64_t head_go);
 // decision.py's quantize of one estimate: round half to even, clipped to [0, CONF_ONE] (rank.cpp).
 int64_t quantize_estimate(double conf);
+// A position's path column: each estimate quantised, times the previous position's path
+// probability (prev; none for the first position), into out (rank.cpp's path_column).
+void path_column_on(const double* conf, const int64_t* prev, int64_t n, int64_t* out);

@@ -15,7 +15,6 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int CONF_BITS = 12;  // controller/decision.py
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 // A large batch's adaptive step on the logistic estimate, compiled as batch 1's OneRow: it
@@ -66,19 +65,17 @@ class ManyRows {
   int64_t drafts() const { return int64_t(cols_.size()); }
 
  private:
-  // Positions' path columns up to j: estimate (logistic_column), quantise, times the last.
+  // Positions' path columns up to j: the estimates (logistic_column's), then path_column's.
   void add_up_to(int64_t j) {
+    std::vector<double> conf(static_cast<size_t>(n_));
     while (int64_t(cols_.size()) < j) {
       const int64_t r = int64_t(cols_.size());
       const std::vector<double>& w = weights_->w.at(size_t(r));
       const double* p = top_.data() + r * n_;
       const double* mg = margin_.data() + r * n_;
-      const int64_t* before = r ? cols_.back().data() : nullptr;
+      for (int64_t i = 0; i < n_; ++i) conf[size_t(i)] = logistic_estimate(w, p[i], mg[i]);
       std::vector<int64_t> col(static_cast<size_t>(n_));
-      for (int64_t i = 0; i < n_; ++i) {
-        const int64_t q = quantize_estimate(logistic_estimate(w, p[i], mg[i]));
-        col[size_t(i)] = before ? (before[i] * q) >> CONF_BITS : q;
-      }
+      path_column_on(conf.data(), r ? cols_.back().data() : nullptr, n_, col.data());
       cols_.push_back(std::move(col));
     }
   }

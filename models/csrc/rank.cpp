@@ -35,11 +35,7 @@ constexpr int64_t CONF_ONE = int64_t(1) << CONF_BITS;
 constexpr int RATIO_BITS = 24;
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-// a: j-major quantised path probabilities (a[j * n + i] for sequence i's draft j), 0 where a
-// draft may not be kept; the key of candidate (i, j) is a (mode 0), a << RATIO_BITS //
-// (s + ctx_i) (mode 1) or a * d - e0 * CONF_ONE * ctx_i (mode 2). f: the validation time by
-// added tokens, head: the step's other time.
-struct Cand {
+struct Cand {  // a candidate draft: its ranking key and index (j * n + i)
   int64_t key, at;
 };
 
@@ -76,6 +72,10 @@ void sort_desc(std::vector<Cand>& cands) {
   for (Cand& c : cands) c.key = int64_t(uint64_t(top) - uint64_t(c.key));
 }
 
+// a: j-major quantised path probabilities (a[j * n + i] for sequence i's draft j), 0 where a
+// draft may not be kept; the key of candidate (i, j) is a (mode 0), a << RATIO_BITS //
+// (s + ctx_i) (mode 1) or a * d - e0 * CONF_ONE * ctx_i (mode 2). f: the validation time by
+// added tokens, head: the step's other time.
 Ranked rank(const int64_t* a, int64_t n, int64_t k, int mode, int64_t s, int64_t d, int64_t e0, const int64_t* ctx,
             const int64_t* f, int64_t f_len, int64_t head, int64_t per_token, double min_gain) {
   std::vector<Cand> cands;
@@ -138,7 +138,6 @@ std::vector<int64_t> jmajor(const I64& a) {
   return out;
 }
 
-
 // controller/step.py's path columns: position j's quantised estimates times the path
 // probabilities of position j - 1 (none for the first), as decision.py's quantize and path_probs.
 py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::array::forcecast> conf,
@@ -148,11 +147,7 @@ py::array_t<int64_t> path_column(py::array_t<double, py::array::c_style | py::ar
   const double* c = conf.data();
   const int64_t* before = prev ? prev->data() : nullptr;
   py::array_t<int64_t> out(n);
-  int64_t* o = out.mutable_data();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t q = quantize_estimate(c[i]);
-    o[i] = before ? (before[i] * q) >> CONF_BITS : q;
-  }
+  path_column_on(c, before, n, out.mutable_data());
   return out;
 }
 
@@ -243,6 +238,13 @@ int64_t quantize_estimate(double conf) {
   const double r = std::nearbyint(conf * double(CONF_ONE));
   if (std::isnan(r)) throw py::value_error("an acceptance estimate is not a number");
   return r < 0 ? 0 : (r > double(CONF_ONE) ? CONF_ONE : int64_t(r));
+}
+
+void path_column_on(const double* conf, const int64_t* prev, int64_t n, int64_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t q = quantize_estimate(conf[i]);
+    out[i] = prev ? (prev[i] * q) >> CONF_BITS : q;
+  }
 }
 
 void bind_rank(py::module& m) {
