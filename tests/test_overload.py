@@ -34,7 +34,7 @@ def test_kv_pressure_preempts_and_recomputes(sharegpt_prompts):
 
 def test_full_waiting_queue_is_refused_with_429():
     from cluster.engine.request import QueueFullError, RequestParams
-    from cluster.serving.protocol import request_error
+    from cluster.serving.asgi import error_answer
 
     engine = local_engine(tiny_config("parallel.tp_size=1", "engine.max_waiting=2"))
     try:
@@ -43,8 +43,8 @@ def test_full_waiting_queue_is_refused_with_429():
             engine.add_request("Hello", RequestParams(max_tokens=3))
             raise AssertionError("a third request was queued beyond engine.max_waiting=2")
         except QueueFullError as e:
-            response = request_error(e)
-            assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+            status, body, headers = error_answer(e)
+            assert status == 429 and (b"retry-after", b"1") in headers and body["error"]["code"] == "queue_full"
         done = []
         while engine.has_work():
             done += [o.request_id for o in engine.step() if o.finished]

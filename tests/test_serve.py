@@ -293,6 +293,58 @@ def test_stream_deltas_hold_back_what_may_change():
     assert [json.loads(c.removeprefix("data: "))["choices"][0]["text"] for c in plain.update(first)] == ["Hi "]
 
 
+def test_a_stream_writes_once_per_batch_and_ends_in_one_write():
+    """The SSE answer: one write per batch of updates that arrived together; the last text,
+    the usage and [DONE] in the write that ends the response."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.engine.request import RequestOutput
+    from cluster.serving.asgi import GenerationRoutes
+    from cluster.serving.engine_client import RequestStream
+    from cluster.serving.protocol import SSEState
+
+    def out(text: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput(request_id="r", sample_index=0, prompt_ids=[1, 2], token_ids=[3] * len(text.split()),
+                             text=text, finished=finished, finish_reason="length" if finished else None,
+                             new_token_ids=[3])
+
+    observed = []
+    server = SimpleNamespace(metrics=SimpleNamespace(observe_finished=lambda o, s: observed.append(o)))
+    routes, writes = GenerationRoutes(None, server), []
+
+    async def send(message) -> None:
+        writes.append(message)
+
+    async def run() -> None:
+        stream = RequestStream("r", 1)
+        for update in (out("a"), out("a b")):  # arrived together: one write
+            stream.queue.put_nowait(update)
+        state = SSEState("text", "cmpl-r", MODEL, 0, 1, (), True)
+        task = asyncio.ensure_future(routes._stream(send, stream, state, 0.0))
+        await asyncio.sleep(0.01)
+        stream.finished.add(0)  # as EngineClient._route marks it on the end's arrival
+        stream.queue.put_nowait(out("a b c"))
+        stream.queue.put_nowait(out("a b c d", finished=True))
+        await task
+
+    asyncio.run(run())
+    assert [w["type"] for w in writes] == ["http.response.start", "http.response.body", "http.response.body"]
+    first, last = (w["body"].decode().split("\n\n")[:-1] for w in writes[1:])
+    texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in first]
+    assert texts == ["a", " b"] and writes[1]["more_body"] and not writes[2]["more_body"]
+    closing = [json.loads(e.removeprefix("data: ")) for e in last[:-1]]
+    assert [c["choices"][0]["text"] for c in closing[:2]] == [" c", " d"] and closing[1]["choices"][0][
+        "finish_reason"] == "length"
+    assert closing[2]["choices"] == [] and closing[2]["usage"]["completion_tokens"] == 4
+    assert last[-1] == "data: [DONE]" and len(observed) == 1
+
+
+def test_generation_routes_take_post_only(base_url):
+    status, body = http(base_url, "/v1/completions")
+    assert status == 405 and "takes POST" in body["error"]["message"], body
+
+
 def collect(loop, until, deadline_s: float = 120.0) -> list:
     """Poll an EngineLoop until `until(updates so far)`; every update, in order."""
     seen, start = [], time.monotonic()

@@ -9,23 +9,21 @@ the TP worker actors inside the running Ray.
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import StarletteHTTPException
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from ray import serve
 
 from cluster.config import Config, ConfigError, load_config
-from cluster.engine.request import RequestError, RequestOutput
+from cluster.engine.request import RequestError, RequestParams
+from cluster.serving.asgi import GenerationRoutes, route_path
 from cluster.serving.engine_client import EngineClient, RequestStream
-from cluster.serving.engine_loop import EngineDeadError
-from cluster.serving.protocol import (APIError, ChatBody, CompletionBody, SSEState, chat_prompt, completion_prompt,
-                                      error_body, parse_body, request_error, response_body)
+from cluster.serving.protocol import APIError, SamplingBody, chat_prompt, completion_prompt
 from models.config import TINY_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +86,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.model_name = served_model_name(self.cfg)
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
+    def __serve_build_asgi_app__(self):
         return build_routes(self)
 
     def pids(self) -> list[int]:
@@ -118,41 +116,26 @@ class OpenAIServer:
         # the template may already hold BOS
         return self.engine.encode(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token)))
 
-    async def respond(self, kind: str, body: BaseModel, prompt, max_tokens: int) -> Response:
-        start, params = time.monotonic(), body.to_params(max_tokens)
+    def prompt_of(self, kind: str, body: BaseModel) -> tuple[str | list[int], int]:
+        """The request's prompt (text or token ids) and max_tokens, as OpenAI reads them."""
+        self.check_model(body)
+        if kind == "text":
+            return completion_prompt(body), 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        ids = self.encode_chat(chat_prompt(self.tokenizer, body))
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        if max_tokens is None:  # as OpenAI: up to the context limit
+            max_tokens = max(self.engine.max_model_len - len(ids), 1)
+        return ids, max_tokens
+
+    async def add(self, kind: str, body: SamplingBody, prompt, max_tokens: int) -> tuple[str, RequestStream,
+                                                                                           RequestParams]:
+        """Queue the request in the engine: its OpenAI id, its stream of updates and its parameters."""
+        params = body.to_params(max_tokens)
         if params.n > self.cfg.serve.max_n:
             raise RequestError(f"n must be at most {self.cfg.serve.max_n} on this server (serve.max_n), got {params.n}",
                                "n")
         stream = await self.engine.add(prompt, params)
-        name, rid = self.model_name, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{stream.request_id}"
-        if body.stream:
-            state = SSEState(kind, rid, name, int(time.time()), params.n, params.stop, body.include_usage())
-            return StreamingResponse(self._sse(stream, state, start), media_type="text/event-stream")
-        try:
-            outputs = await stream.final()
-        finally:  # the client went away (the handler was cancelled): stop generating for it
-            await self.engine.abort(stream)
-        self.metrics.observe_finished(outputs, time.monotonic() - start)
-        return JSONResponse(response_body(kind, rid, name, int(time.time()), outputs))
-
-    async def _sse(self, stream: RequestStream, state: SSEState, start: float):
-        final: dict[int, RequestOutput] = {}
-        try:
-            for chunk in state.opening():
-                yield chunk
-            async for out in stream:
-                final[out.sample_index] = out
-                for chunk in state.update(out):
-                    yield chunk
-            outputs = [final[i] for i in range(state.n)]
-            self.metrics.observe_finished(outputs, time.monotonic() - start)
-            for chunk in state.closing(outputs):
-                yield chunk
-        except EngineDeadError as e:
-            yield f"data: {json.dumps(error_body(str(e), 'server_error', None, None))}\n\n"
-        finally:  # closed early (the client disconnected): stop generating for it
-            await self.engine.abort(stream)
-        yield "data: [DONE]\n\n"
+        return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{stream.request_id}", stream, params
 
 
 class AuthorizeAndCount:
@@ -167,7 +150,7 @@ class AuthorizeAndCount:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
+        path = route_path(scope)
         route = path if path in ROUTES else "other"
         if self.expected is not None and path not in UNAUTHENTICATED:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
@@ -193,32 +176,12 @@ class AuthorizeAndCount:
             raise
 
 
-def build_routes(server: OpenAIServer) -> FastAPI:
+def build_routes(server: OpenAIServer):
     app = FastAPI(title="adaspec", docs_url=None, redoc_url=None, openapi_url=None)
-    key, limit = server.cfg.serve.api_key, server.cfg.serve.max_request_bytes
+    key = server.cfg.serve.api_key
 
-    app.add_middleware(AuthorizeAndCount, server=server, key=key)
     app.add_exception_handler(APIError, lambda _, e: e.response())
-    app.add_exception_handler(RequestError, lambda _, e: request_error(e))
     app.add_exception_handler(StarletteHTTPException, lambda _, e: APIError(e.status_code, str(e.detail)).response())
-    app.add_exception_handler(EngineDeadError, lambda _, e: APIError(503, str(e), kind="server_error").response())
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionBody, limit)
-        server.check_model(body)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        return await server.respond("text", body, completion_prompt(body), max_tokens)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatBody, limit)
-        server.check_model(body)
-        ids = server.encode_chat(chat_prompt(server.tokenizer, body))
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        if max_tokens is None:  # as OpenAI: up to the context limit
-            max_tokens = max(server.engine.max_model_len - len(ids), 1)
-        return await server.respond("chat", body, ids, max_tokens)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -237,7 +200,7 @@ def build_routes(server: OpenAIServer) -> FastAPI:
         payload, content_type = server.metrics.render()
         return Response(payload, media_type=content_type)
 
-    return app
+    return AuthorizeAndCount(GenerationRoutes(app, server), server, key)
 
 
 def build_app(args: dict | None = None, **options):

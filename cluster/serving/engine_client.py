@@ -91,14 +91,28 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.batches():
+            for out in batch:
+                yield out
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """The updates in engine order, as many at a time as have arrived (an HTTP answer
+        writes each batch at once); raises what ended the stream early (EngineDeadError)."""
         done: set[int] = set()
         while len(done) < self.n:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                done.add(item.sample_index)
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                if item.finished:
+                    done.add(item.sample_index)
+                batch.append(item)
+            yield batch
 
     async def final(self) -> list[RequestOutput]:
         """Consume the stream; the finished output of each sample, by sample index."""

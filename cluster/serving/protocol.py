@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.engine.request import QueueFullError, RequestError, RequestOutput, RequestParams
+from cluster.engine.request import RequestError, RequestOutput, RequestParams
 
 
 class StreamOptions(BaseModel):
@@ -180,24 +179,8 @@ class APIError(Exception):
         return JSONResponse(error_body(self.message, self.kind, self.param, self.code), status_code=self.status)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 past `limit` bytes (declared or streamed) before it is all read."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes; the limit is {limit} (serve.max_request_bytes)",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes (serve.max_request_bytes)",
-                           code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    raw = await read_body(request, limit)
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The request body as `model`, or a 400 that says what is wrong with it."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -215,13 +198,3 @@ async def parse_body(request: Request, model: type[BaseModel], limit: int) -> Ba
         param, path = str(err["loc"][0]), ".".join(str(p) for p in err["loc"])
         where = f" (at {path})" if path != param else ""
         raise APIError(400, f"{param}: {err['msg']}{where}", param=param) from None
-
-
-def request_error(error: RequestError) -> JSONResponse:
-    """400 for a RequestError, naming its param; 429 with Retry-After when the engine's
-    waiting queue is full."""
-    if isinstance(error, QueueFullError):
-        response = APIError(429, str(error), kind="rate_limit_error", code="queue_full").response()
-        response.headers["Retry-After"] = str(error.retry_after_s)
-        return response
-    return APIError(400, str(error), param=error.param).response()
