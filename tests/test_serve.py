@@ -340,6 +340,57 @@ def test_a_stream_writes_once_per_batch_and_ends_in_one_write():
     assert last[-1] == "data: [DONE]" and len(observed) == 1
 
 
+def test_generation_routes_answer_refusals_and_faults_as_openai_errors():
+    """The plain ASGI routes, without a server: 405, 413 (declared and streamed), 400 naming
+    what is wrong, 429 with Retry-After, and a fault of the server's own as a 500 in
+    OpenAI's shape; other paths go to the app behind."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.engine.request import QueueFullError
+    from cluster.serving.asgi import GenerationRoutes
+
+    def prompt_of(kind, body):
+        if getattr(body, "prompt", None) == "boom":
+            raise KeyError("a bug")
+        raise QueueFullError("the waiting queue is full")
+
+    server = SimpleNamespace(cfg=SimpleNamespace(serve=SimpleNamespace(max_request_bytes=64)), prompt_of=prompt_of)
+    behind = []
+
+    async def app(scope, receive, send) -> None:
+        behind.append(scope["path"])
+
+    routes = GenerationRoutes(app, server)
+
+    def call(method: str, path: str, body: bytes, headers=()) -> tuple[int, dict, dict]:
+        sent, parts = [], [body[:10], body[10:]]
+
+        async def receive():
+            chunk = parts.pop(0) if parts else b""
+            return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": "/arm" + path, "root_path": "/arm", "headers": list(headers)}
+        asyncio.run(routes(scope, receive, send))
+        if not sent:
+            return 0, {}, {}
+        return sent[0]["status"], json.loads(sent[1]["body"]), dict(sent[0]["headers"])
+
+    assert call("GET", "/v1/completions", b"")[0] == 405
+    assert call("POST", "/v1/completions", b"{}", [(b"content-length", b"65")])[0] == 413
+    assert call("POST", "/v1/completions", b'{"prompt": "' + b"x" * 70 + b'"}')[0] == 413
+    status, body, _ = call("POST", "/v1/completions", b'{"prompt": "Hi", "n": "two"}')
+    assert status == 400 and body["error"]["param"] == "n"
+    status, body, headers = call("POST", "/v1/chat/completions", b'{"messages": []}')
+    assert status == 429 and headers[b"retry-after"] == b"1" and body["error"]["code"] == "queue_full"
+    status, body, _ = call("POST", "/v1/completions", b'{"prompt": "boom"}')
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert call("GET", "/v1/models", b"")[0] == 0 and behind == ["/arm/v1/models"]
+
+
 def test_generation_routes_take_post_only(base_url):
     status, body = http(base_url, "/v1/completions")
     assert status == 405 and "takes POST" in body["error"]["message"], body

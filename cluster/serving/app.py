@@ -171,7 +171,7 @@ class AuthorizeAndCount:
         try:
             await self.app(scope, receive, counted)
         except BaseException:
-            if not started:  # Starlette's outer error handler answers 500
+            if not started:  # an error before any answer (Serve answers it with a 500)
                 self.server.metrics.observe_request(route, 500)
             raise
 

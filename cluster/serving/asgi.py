@@ -109,6 +109,9 @@ class GenerationRoutes:
             return await send_json(send, *error_answer(e))
         except ClientGone:
             return
+        except Exception:  # a fault of ours, not the request's: OpenAI's 500, the trace in the replica's log
+            log.exception("%s failed before answering", path)
+            return await send_json(send, 500, error_body("internal server error", "server_error", None, None))
         try:
             if body.stream:
                 state = SSEState(kind, rid, self.server.model_name, int(time.time()), params.n, params.stop,
