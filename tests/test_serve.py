@@ -143,6 +143,11 @@ def test_streams_join_to_the_full_text(client, expected):
     assert chat[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == expected[-1].text
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == MAX_TOKENS
+    joined = {0: "", 1: ""}  # two samples in one stream: each one's deltas join to its text
+    for c in complete(client, PROMPTS[2], stream=True, n=2):
+        for choice in c.choices:
+            joined[choice.index] += choice.text
+    assert joined == {0: expected[2].text, 1: expected[2].text}
 
 
 def test_concurrent_clients_get_engine_texts(client, expected):
