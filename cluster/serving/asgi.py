@@ -11,8 +11,10 @@ engine sent, the closing events in the same write as the last text. A client tha
 away is noticed by Serve's direct ingress, which cancels the request's task: the engine
 aborts the request on the way out.
 
-The answers are the FastAPI routes' own: OpenAI's JSON errors (cluster/serving/protocol.py),
-the same status codes and headers (429 with Retry-After, 503 when the engine stopped).
+Refusals are what the FastAPI routes answered: OpenAI's JSON errors (cluster/serving/
+protocol.py) with the same status codes and headers (400 naming the param, 405, 413, 429
+with Retry-After, 503 when the engine stopped); a fault of the server's own before the
+answer starts is a 500 in the same shape.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from cluster.serving.protocol import (APIError, ChatBody, CompletionBody, SSESta
                                       response_body)
 
 log = logging.getLogger("adaspec.asgi")
-ROUTES = {"/v1/completions": ("text", CompletionBody), "/v1/chat/completions": ("chat", ChatBody)}
+GENERATION_ROUTES = {"/v1/completions": ("text", CompletionBody),
+                     "/v1/chat/completions": ("chat", ChatBody)}
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 DONE = "data: [DONE]\n\n"
 
@@ -94,7 +97,7 @@ class GenerationRoutes:
 
     async def __call__(self, scope, receive, send) -> None:
         path = route_path(scope) if scope["type"] == "http" else None
-        route = ROUTES.get(path)
+        route = GENERATION_ROUTES.get(path)
         if route is None:
             return await self.app(scope, receive, send)
         try:
