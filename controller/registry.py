@@ -182,21 +182,33 @@ class ProfileRegistry:
         speed = float(np.median(online[:, VALIDATE_MS] / np.maximum(predicted, 1e-6)))
         return min(max(speed, SPEED_LIMITS[0]), SPEED_LIMITS[1])
 
-    def draft_overhead(self, speed: float) -> float:
+    def draft_overhead(self) -> float:
         """How much dearer (> 1) the draft runs between the target's forwards than the sweep,
-        which timed it on its own with its weights in cache, beyond the machine's speed
-        (`speed`, sweep_speed's): the median, over the latest steady online draft steps, of
-        their time over the sweep's own fit's, divided by speed. Measured whenever the window
-        holds DRAFT_MIN_SAMPLES such steps, and remembered: the budget stops drafting where
-        drafting does not pay, the window then fills with plain steps, and a sweep no longer
-        corrected by online draft steps (about 1.35x too cheap here at batch 1 and 8) had made
-        the budget draft again: batch 8 switched between standing down and drafting as
-        refits came."""
+        which timed it on its own with its weights in cache, beyond the machine's speed: the
+        median, over the latest steady online draft steps, of each step's draft time over the
+        sweep's own fit's, divided by the same step's validate time over the fit's. Measured
+        whenever the window holds DRAFT_MIN_SAMPLES such steps, and remembered: the budget
+        stops drafting where drafting does not pay, the window then fills with plain steps,
+        and a sweep no longer corrected by online draft steps (about 1.35x too cheap here at
+        batch 1 and 8) had made the budget draft again: batch 8 switched between standing
+        down and drafting as refits came.
+
+        Each step's draft time is set against its own validate time, not against sweep_speed
+        (the latest validate steps, plain ones included): this machine's speed swings by 1.5-2x
+        over seconds, the two windows span different stretches of it, and the overhead so
+        measured ranged 1.03-1.87 over one batch-1 benchmark where the paired one held 1.46-1.68.
+        At batch 1 drafting pays about 6% over plain decoding, so a fast stretch read as a dear
+        draft made adaptive stand down for 200-600 steps at a time."""
         drafted = self._steady_drafts(self._online.rows())[-SPEED_WINDOW:]
+        drafted = drafted[drafted[:, VALIDATE_MS] > 0]
         swept = self._steady_drafts(self._sweep.rows())
         if len(drafted) >= DRAFT_MIN_SAMPLES and len(swept) >= 2:
-            predicted = self._sweep_fit().draft_ms_at(_drafting(drafted), drafted[:, DRAFT_STEPS])
-            ratio = float(np.median(drafted[:, DRAFT_MS] / np.maximum(predicted, 1e-6))) / speed
+            fitted = self._sweep_fit()
+            draft_fit = fitted.draft_ms_at(_drafting(drafted), drafted[:, DRAFT_STEPS])
+            draft = drafted[:, DRAFT_MS] / np.maximum(draft_fit, 1e-6)
+            validate = drafted[:, VALIDATE_MS] / np.maximum(
+                fitted.validate_ms_at(drafted[:, Q_TOKENS], drafted[:, KV_TOKENS]), 1e-6)
+            ratio = float(np.median(draft / validate))
             self._draft_overhead = min(max(ratio, SPEED_LIMITS[0]), SPEED_LIMITS[1])
         return self._draft_overhead
 
@@ -225,7 +237,7 @@ class ProfileRegistry:
         if not len(online):
             return sweep
         speed = self.sweep_speed()
-        overhead = self.draft_overhead(speed)
+        overhead = self.draft_overhead()
         if speed != 1.0 or overhead != 1.0:
             sweep = sweep.copy()
             sweep[:, VALIDATE_MS] *= speed

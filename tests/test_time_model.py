@@ -75,7 +75,7 @@ def test_refit_reads_the_columns_as_the_samples_say():
     reg.add(online)
     speed = reg.sweep_speed()
     assert 0.9 < speed < 1.1  # the same model throughout; the sweep is rescaled by it all the same
-    overhead = reg.draft_overhead(speed)  # online draft times over the sweep's, beyond speed
+    overhead = reg.draft_overhead()  # online draft times over the sweep's, beyond speed
     assert overhead != 1.0
     # scaled as the registry scales them, one factor (speed * overhead), or the last bit may differ
     data = [dataclasses.replace(s, validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * (speed * overhead))
@@ -241,8 +241,32 @@ def test_the_first_draft_step_is_told_apart_and_the_engine_s_draft_cost_outlives
         reg.add([dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, WINDOW)])
         assert not any(s.draft_steps for s in reg.online)
         model = reg.refit().model
-        assert abs(reg.draft_overhead(reg.sweep_speed()) - 1.4) < 0.05, kind
+        assert abs(reg.draft_overhead() - 1.4) < 0.05, kind
         assert abs(model.draft_ms(8, 3) - _draft_law(8, 3)) < 0.05, kind
+
+
+def test_the_draft_overhead_sets_each_draft_step_against_its_own_validate_time():
+    """The machine runs at 1.6x (slow) while the engine drafts, then 0.8x (fast) over the
+    plain steps after it. Each draft step is 1.4x dearer than the sweep's beyond the machine's
+    speed at that moment: the overhead is 1.4, read off the draft steps alone. Against the
+    speed of the latest steps (the fast ones) it read 1.4 x 1.6 / 0.8 = 2.8, and the budget
+    would stand down where drafting pays."""
+    rng = np.random.default_rng(5)
+    sweep = [dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)]
+    sweep += [StepSample(n, 0, 0, 0.0, m, _draft_law(n, m), catchup_tokens=2 * n) for n in (1, 4, 16, 32) for m in (1, 5)]
+    reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1))
+    reg.seed(sweep)
+    slow, fast = 1.6, 0.8
+    drafting = []
+    for s in _samples(rng, 200):
+        m = int(rng.integers(1, 6))
+        drafting.append(StepSample(s.num_seqs, s.q_tokens, s.kv_tokens, slow * s.validate_ms, m,
+                                   slow * 1.4 * _draft_law(s.num_seqs, m), 0.3, s.num_seqs))
+    plain = [dataclasses.replace(s, validate_ms=fast * s.validate_ms, draft_steps=0, draft_ms=0.0)
+             for s in _samples(rng, 600)]
+    reg.add(drafting + plain)
+    assert abs(reg.sweep_speed() - fast) < 0.05  # the latest steps: the fast stretch
+    assert abs(reg.draft_overhead() - 1.4) < 0.05
 
 
 def test_a_draft_that_first_caught_up_on_a_prompt_is_not_its_steady_cost():
