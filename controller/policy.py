@@ -24,7 +24,7 @@ from controller.one_row import new_one_row
 from controller.pending import every, stacked
 from controller.step import SpecStep
 from controller.time_model import UNITS_PER_MS, TimeModel
-from controller.yields import DraftYields, prior_rates
+from controller.yields import YieldsByBatch, batch_bucket, prior_rates
 
 MODES = ("static", "adaptive", "oracle")
 PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
@@ -58,7 +58,7 @@ class SpecPolicy:
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
         self._batches = 0  # calibration batches so far (the large batches' sample offset rotates with them)
-        self.yields = DraftYields(max(cfg.num_speculative_tokens, 1))
+        self.yields = YieldsByBatch(max(cfg.num_speculative_tokens, 1))
         self._f_cache: dict[tuple, tuple] = {}  # values a time model gives a batch size (f_values, draft_step_ms)
         self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms); _set_rates empties it
         self._set_rates()
@@ -217,7 +217,7 @@ class SpecPolicy:
             self._budget_cache.clear()
         g = self.draft_step_ms(tm, n)
         f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        (gain, share), o0, o1, first = ([1.0] * k,) * 2 if optimistic else self.shares, tm.o0, tm.o1, tm.d_first
+        (gain, share), o0, o1, first = ([1.0] * k,) * 2 if optimistic else self.shares(n), tm.o0, tm.o1, tm.d_first
         terms, expected, verified = [], 1.0, 1.0
         for m in range(1, k + 1):
             expected += gain[m - 1]
@@ -229,6 +229,15 @@ class SpecPolicy:
         out = (tm.other_ms(n) + f[0], terms)
         self._budget_cache[key] = (tm, out)
         return out
+
+    def shares(self, n: int) -> tuple[list[float], list[float]]:
+        """The draft yields' (accepted, verified) shares per position for steps of n sequences,
+        as of the last calibration batch."""
+        bucket = batch_bucket(n)
+        held = self._shares.get(bucket)
+        if held is None:
+            held = self._shares[bucket] = self.yields.shares(n, self._rates)
+        return held
 
     # ------------------------------------------------------------------ calibration
     def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
@@ -250,7 +259,7 @@ class SpecPolicy:
             self._pending_rows += len(verified)
         if rule is not None:  # what the step verified (the rule's choice and exploration's) and got accepted
             verified, accepted = counted if counted is not None else (verified, accepted)
-            self.yields.count(*drafted, verified, accepted)
+            self.yields.count(len(verified), *drafted, verified, accepted)
         self._observed += 1
         if (self.cold and width) or self._observed >= OBSERVE_MAX or \
                 (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
@@ -281,7 +290,7 @@ class SpecPolicy:
 
     def _set_rates(self) -> None:
         """What the budget and the early stop read, as of the last calibration batch."""
-        rates = prior_rates(self.calibrator)
-        self.shares = self.yields.shares(rates)  # the budget's
+        self._rates = rates = prior_rates(self.calibrator)
+        self._shares = {}  # the budget's, per batch-size bucket (shares)
         self._budget_cache = {}  # its terms follow the shares
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made

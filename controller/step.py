@@ -79,8 +79,9 @@ class SpecStep:
         """How many draft steps to run: the m in 0..k that maximises the estimated
         throughput n (1 + y_1 + .. + y_m) / (T_draft(m) + T_val(n (1 + v_1 + .. + v_m)) + T_other),
         y_j and v_j the shares of drafts at position j that were accepted and that were verified
-        (DraftYields), at the batch's mean context (O(k) scalar arithmetic, the same on
-        every rank). 0 means a plain decode step. Sets best_m."""
+        (SpecPolicy.shares, counted over steps of about n sequences), at the batch's mean
+        context (O(k) scalar arithmetic, the same on every rank). 0 means a plain decode step.
+        Sets best_m."""
         policy, tm, n = self.policy, self.model, len(self.kv)
         if self.one_row_ok:  # batch 1: its OneRow answers, term for term (one call, compiled)
             self._one = policy.one_row(tm, self.kmax)

@@ -67,6 +67,48 @@ class DraftYields:
         return accepted.tolist(), kept.tolist()
 
 
+BUCKETS = 8  # batch sizes 1, 2-3, 4-7, .., 64-127 and 128 or more
+
+
+def batch_bucket(n: int) -> int:
+    """The yields' bucket of a step of n sequences: 0 for 1, 1 for 2-3, 2 for 4-7, ..."""
+    return min(max(n, 1).bit_length() - 1, BUCKETS - 1)
+
+
+class YieldsByBatch:
+    """A DraftYields per batch-size bucket (batch_bucket). What a draft brings depends on the
+    batch: the keep rule verifies less as validation's cost grows with it (at batch 1 it
+    verified nearly every draft, at batch 8 one in ten), and a stand-down probe's rows count
+    what the rule would have verified there. Pooled, a server's steps at 8 sequences, which
+    verified little, would tell its steps at one sequence that a draft brings little, and
+    its steps at one would tell those at 8 that drafts are verified. A bucket with no counts
+    yet expects the prior (DraftYields.shares)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.buckets: dict[int, DraftYields] = {}
+
+    def of(self, n: int) -> DraftYields:
+        """The yields of steps of n sequences' bucket (new and empty the first time)."""
+        bucket = batch_bucket(n)
+        if bucket not in self.buckets:
+            self.buckets[bucket] = DraftYields(self.k)
+        return self.buckets[bucket]
+
+    def count(self, n: int, max_keep, m: int, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """A step of n sequences' drafts and outcomes (DraftYields.count)."""
+        self.of(n).count(max_keep, m, verified, accepted)
+
+    def fold(self) -> None:
+        for yields in self.buckets.values():
+            yields.fold()
+
+    def shares(self, n: int, prior_rates: np.ndarray) -> tuple[list[float], list[float]]:
+        """DraftYields.shares of the bucket of steps of n sequences."""
+        yields = self.buckets.get(batch_bucket(n))
+        return (yields if yields is not None else DraftYields(self.k)).shares(prior_rates)
+
+
 def _at_least(values: list[int], arrays: list[np.ndarray]) -> list[int]:
     """counts[j] = how many of the values (Python ints and arrays of them) are above j, for j
     below the largest."""

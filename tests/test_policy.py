@@ -265,14 +265,15 @@ def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
     keep = step.keep(top, top, margin, None)
     assert keep.tolist() == [1 if i in rows else 0 for i in range(n)] and sum(step.rule_keep) == 0
     policy.end_step(step, top, margin, keep, keep)
-    drafted, verified, accepted = policy.yields.pending()
+    drafted, verified, accepted = policy.yields.of(n).pending()
     assert drafted == [2] and sum(verified) == sum(accepted) == 0  # (exploration verified and got both)
     assert policy.probe_every == 2 * PROBE_EVERY  # and the probes back off
 
 
 def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k: int) -> int:
     """The draft budget's argmax, every term computed afresh."""
-    n, (gain, share) = len(kv), policy.shares
+    n = len(kv)
+    gain, share = policy.shares(n)
     kv_ms, g = tm.b2 * float(kv.sum()), tm.draft_step_ms(n)
     f = tm.q_ms_at(n * np.arange(1, k + 2)).tolist()
     best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0

@@ -253,7 +253,8 @@ def test_the_draft_overhead_sets_each_draft_step_against_its_own_validate_time()
     would stand down where drafting pays."""
     rng = np.random.default_rng(5)
     sweep = [dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)]
-    sweep += [StepSample(n, 0, 0, 0.0, m, _draft_law(n, m), catchup_tokens=2 * n) for n in (1, 4, 16, 32) for m in (1, 5)]
+    sweep += [StepSample(n, 0, 0, 0.0, m, _draft_law(n, m), catchup_tokens=2 * n)
+              for n in (1, 4, 16, 32) for m in (1, 5)]
     reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1))
     reg.seed(sweep)
     slow, fast = 1.6, 0.8

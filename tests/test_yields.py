@@ -41,7 +41,7 @@ def test_the_budget_expects_what_drafting_brought_not_what_verified_drafts_did()
     like a sure thing; counted over the drafts made there it brings a seventh of a token for
     a quarter of a validated one, which does not pay for a draft step here."""
     policy = _run(unsure_rate=0.1)
-    accepted, verified = policy.shares
+    accepted, verified = policy.shares(N)
     explored = (N - 1) / N / EXPLORE_EVERY  # the share of drafts only exploration verified
     assert abs(verified[0] - (1 / N + explored)) < 0.03 and abs(accepted[0] - (1 / N + 0.1 * explored)) < 0.03
     step = policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version, 1)
@@ -77,3 +77,19 @@ def test_the_counts_held_until_the_fold_are_per_position_counts_of_drafts_verifi
     yields.fold()
     assert yields.drafted.tolist() == [5, 4, 3, 2] and yields.accepted.tolist() == [4, 2, 1, 1]
     assert yields.pending() == [[], [], []]
+
+
+def test_what_drafting_brings_is_counted_per_batch_size():
+    """Steps of eight sequences, where the rule verified the confident draft alone, teach the
+    budget of eight that a draft brings a seventh of a token. A step of one sequence (another
+    bucket, no counts yet) still expects the prior: every draft verified, and accepted at the
+    calibrated rate. Pooled, the counts of one batch size would stand for the other's."""
+    from controller.yields import DraftYields, batch_bucket
+
+    policy = _run(unsure_rate=0.1)
+    accepted, verified = policy.shares(N)
+    alone_accepted, alone_verified = policy.shares(1)
+    assert (alone_accepted, alone_verified) == DraftYields(1).shares(policy._rates)
+    assert alone_verified[0] == 1.0 and alone_accepted[0] > accepted[0] + 0.3
+    assert policy.shares(5) == policy.shares(7) != policy.shares(8)  # buckets 4-7 and 8-15
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 127, 128, 10**4)] == [0, 1, 1, 2, 2, 3, 6, 7, 7]
