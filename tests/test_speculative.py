@@ -81,20 +81,27 @@ def test_tp16_matches_tp1(ray_session, sharegpt_prompts, reference):
 
 def test_hidden_pieces_join_to_the_appended_rows():
     """A sequence's MTP hiddens are kept as pieces of each step's tensor; read back from
-    any position, joined or compacted, they are the rows appended."""
+    any position, joined or compacted, they are the rows appended. A compaction copies the
+    pieces since the last one into a tensor of their rows alone (no step's tensor is kept
+    alive past COMPACT_AT pieces) and leaves the earlier copies as they are."""
     import torch
 
     from workers.proposer import COMPACT_AT, SeqState
 
     s, rows = SeqState(0, [], []), []
     s.reset_hidden(5)
-    for step in range(2 * COMPACT_AT + 3):
+    for step in range(3 * COMPACT_AT + 3):
         h = torch.randn(4, 3)
         first, count = step % 3, 1 + step % 2
+        joined_before = [part[0] for part in s.hidden_parts[:s.hidden_joined]]
         s.add_hidden(h, first, count)
         rows.append(h[first:first + count])
-        assert len(s.hidden_parts) < COMPACT_AT
+        assert len(s.hidden_parts) - s.hidden_joined < COMPACT_AT
+        assert all(a is b for a, b in zip(joined_before, (part[0] for part in s.hidden_parts)))  # not copied again
+        for t, _, n in s.hidden_parts[:s.hidden_joined]:
+            assert t.untyped_storage().nbytes() == n * 3 * t.element_size()  # its own rows, no step's tensor
         assert torch.equal(s.hidden_from(5), torch.cat(rows))
+    assert s.hidden_joined == 3
     assert torch.equal(s.hidden_from(9), torch.cat(rows)[4:])
 
 

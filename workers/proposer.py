@@ -35,19 +35,25 @@ class SeqState:
     num_computed: int = 0
     draft_len: int = 0  # proposer cache positions below this are final
     # MTP: target hiddens of positions hidden_start..num_computed-1, as (tensor, first row, rows) pieces: a
-    # step only notes where its rows lie, and the pieces are joined when the proposer reads them or once
-    # COMPACT_AT have gathered (appending to one tensor copied it whole every step: 7 us a sequence at 200
-    # positions, 5% of a batch-32 step, on every step that does not draft). A piece keeps its step's whole
-    # (T, H) tensor alive: at most COMPACT_AT steps' worth while MTP does not draft, one or two while it does.
+    # step only notes where its rows lie, and the pieces are joined when the proposer reads them. A piece
+    # keeps its step's whole (T, H) tensor alive, so once COMPACT_AT such pieces have gathered they are
+    # copied into one tensor of this sequence's rows alone: the first hidden_joined pieces are such copies,
+    # never copied again. (Appending to one tensor copied it whole every step: 7 us a sequence at 200
+    # positions, 5% of a batch-32 step; joining all pieces at every compaction copied the whole history
+    # every COMPACT_AT steps: a quarter of add_hidden's time, which was 1.5% of a batch-16 step standing
+    # down at 300-500 positions.)
     hidden_parts: list = field(default_factory=list)
     hidden_start: int = 0
+    hidden_joined: int = 0
 
     def add_hidden(self, h: torch.Tensor, first: int = 0, rows: int | None = None) -> None:
         """Rows first..first+rows-1 of h (all of them by default) are the next positions' hiddens."""
         self.hidden_parts.append((h, first, len(h) - first if rows is None else rows))
-        if len(self.hidden_parts) >= COMPACT_AT:
-            joined = self.hidden_from(self.hidden_start)
-            self.hidden_parts = [(joined, 0, len(joined))]
+        if len(self.hidden_parts) - self.hidden_joined >= COMPACT_AT:
+            recent = self.hidden_parts[self.hidden_joined:]
+            joined = torch.cat([h[first:first + rows] for h, first, rows in recent])
+            self.hidden_parts[self.hidden_joined:] = [(joined, 0, len(joined))]
+            self.hidden_joined += 1
 
     def hidden_from(self, position: int) -> torch.Tensor:
         """The target hiddens of positions position..num_computed-1 (position >= hidden_start)."""
@@ -57,7 +63,7 @@ class SeqState:
 
     def reset_hidden(self, start: int, h: torch.Tensor | None = None) -> None:
         """Hold only the hiddens of positions start.. (h: their rows; none yet by default)."""
-        self.hidden_parts, self.hidden_start = ([] if h is None else [(h, 0, len(h))]), start
+        self.hidden_parts, self.hidden_start, self.hidden_joined = ([] if h is None else [(h, 0, len(h))]), start, 0
 
 
 @dataclass

@@ -130,7 +130,8 @@ class ModelRunner:
         target cache holds anything to copy."""
         prompt = len(parent.tokens)
         child = SeqState(f.seq_id, list(parent.tokens), f.block_table, num_computed=parent.num_computed,
-                         hidden_parts=list(parent.hidden_parts), hidden_start=parent.hidden_start)
+                         hidden_parts=list(parent.hidden_parts), hidden_start=parent.hidden_start,
+                         hidden_joined=parent.hidden_joined)
         if prompt % self.block_size:
             src, dst = parent.block_table[prompt // self.block_size], f.block_table[prompt // self.block_size]
             for cache_k, cache_v in self.cache:
