@@ -198,7 +198,7 @@ class ProfileRegistry:
         over seconds, the two windows span different stretches of it, and the overhead so
         measured ranged 1.03-1.87 over one batch-1 benchmark where the paired one held 1.46-1.68.
         At batch 1 drafting pays about 6% over plain decoding, so a fast stretch read as a dear
-        draft made adaptive stand down for 200-600 steps at a time."""
+        draft made adaptive stand down for up to 600 steps at a time."""
         drafted = self._steady_drafts(self._online.rows())[-SPEED_WINDOW:]
         drafted = drafted[drafted[:, VALIDATE_MS] > 0]
         swept = self._steady_drafts(self._sweep.rows())
