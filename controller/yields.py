@@ -8,7 +8,8 @@ confidence: at batch 8 those were accepted 89% of the time while the rule verifi
 in ten, and a budget reading them drafted at steps that then verified almost nothing. The
 mean acceptance estimate over all drafts would do instead only where the estimator is
 calibrated on unverified drafts, which it cannot be before it has seen any. Counts only:
-the same on every rank.
+the same on every rank. They are kept per batch-size bucket (YieldsByBatch), as the share
+the rule verifies depends on the batch.
 """
 from __future__ import annotations
 
