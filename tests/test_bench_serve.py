@@ -60,7 +60,7 @@ def test_bench_serve_smoke(ray_session, tmp_path, monkeypatch):
     overrides = list(TEST_SIZING) + [
         "parallel.tp_size=1", "speculative.adaptive.profile_on_start=false", f"bench.serve_arms={json.dumps(ARMS)}",
         f"bench.serve_rates={RATES}", f"bench.serve_requests={REQUESTS}", "bench.max_output_len=8",
-        "bench.serve_clients=[2]", "bench.serve_client_rounds=2",
+        "bench.serve_clients=[2]", "bench.serve_client_rounds=2", "bench.serve_rate_rounds=2",
         "serve.stream_interval_ms=1"]  # 8 tokens take a few ms here: stream them in several chunks, so ITL exists
     cfg = load_config("yamls/tiny.yaml", overrides)
     result = run_sweep(cfg, "yamls/tiny.yaml", overrides, tmp_path, trace=str(tmp_path / "trace.jsonl"))
@@ -69,8 +69,9 @@ def test_bench_serve_smoke(ray_session, tmp_path, monkeypatch):
     assert result["saturation"]["arm"] == "nospec" and result["saturation_rps"] > 0
     assert sorted((p["rate_fraction"], p["arm"]) for p in result["points"]) == sorted(
         (f, a) for f in RATES for a in ARMS)  # every arm at every rate
-    for p in result["points"]:
-        assert p["errors"] == 0 and p["completed"] == REQUESTS and p["output_tok_per_s"] > 0
+    for p in result["points"]:  # two rounds each, merged
+        assert p["errors"] == 0 and p["completed"] == 2 * REQUESTS and p["output_tok_per_s"] > 0
+        assert len(p["rounds"]) == 2 and p["output_tok_per_s"] == round(sum(p["rounds"]) / 2, 3)
         assert p["rate"] == round(p["rate_fraction"] * result["saturation_rps"], 4)
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert p[key]["p50"] <= p[key]["p90"] <= p[key]["p99"]
@@ -82,6 +83,7 @@ def test_bench_serve_smoke(ray_session, tmp_path, monkeypatch):
     assert saved["points"] == result["points"] and "texts" not in saved["points"][0]
     report = (tmp_path / "serve.md").read_text()
     assert report.startswith("| arm") and "| offline-nospec | 2 |" in report
+    assert "| adaptive-3 | 50% |" in report and "| adaptive-3 | 200% |" in report
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     # every arm of ours runs while it is measured and is stopped while the others are (after the warm-up)
     urls = {arm: url for url, _ in seen for arm in ARMS if url.endswith(f"/{arm}")}
@@ -111,6 +113,26 @@ def test_merge_rounds_takes_medians_and_ratios_round_by_round():
     ref = merge_rounds([point(50, 1), point(200, 1), point(400, 1)])
     # per round 2.0, 2.0, 0.5: the median of the round ratios, not the ratio of the medians (200 / 200)
     assert round_ratio(merged, ref) == (2.0, 0.5, 2.0)
+
+
+def test_the_adaptive_table_takes_each_ratio_round_by_round_and_names_the_best_fixed_arm():
+    from cluster.bench.serve_report import adaptive_table
+
+    def point(arm, fraction, rounds):
+        return {"arm": arm, "rate_fraction": fraction, "output_tok_per_s": float(sorted(rounds)[1]),
+                "rounds": rounds}
+
+    points = [point("nospec", 0.5, [100, 200, 300]), point("static-3", 0.5, [150, 150, 600]),
+              point("adaptive-7", 0.5, [110, 300, 270]), point("nospec", 1.0, [10, 10, 10]),
+              point("static-3", 1.0, [8, 8, 8]), point("adaptive-7", 1.0, [9, 10, 11])]
+    lines = adaptive_table(points)
+    rows = {line.split(" | ")[1]: line for line in lines if line.startswith("| adaptive-7")}
+    # at 50%: over nospec per round 1.1, 1.5, 0.9; over static-3 0.733, 2.0, 0.45. The best fixed arm is
+    # the one with the higher median (nospec 200 against 150), not the one with the best round
+    assert rows["50%"] == ("| adaptive-7 | 50% | 1.100 [0.900, 1.500] | 0.733 [0.450, 2.000] "
+                           "| 1.100 [0.900, 1.500] (nospec) |")
+    assert rows["100%"].endswith("| 1.000 [0.900, 1.100] (nospec) |")
+    assert adaptive_table([p for p in points if p["arm"] != "adaptive-7"]) == []
 
 
 def test_round_order_keeps_the_reference_arms_back_to_back_and_shuffles_the_rest():

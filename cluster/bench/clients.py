@@ -68,7 +68,7 @@ def joined(arm: str, clients: int, parts: list[tuple[list[RequestResult], float]
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
-    """One closed-loop point from its rounds: the median over rounds of the throughput and
+    """One point (closed-loop, or a Poisson rate) from its rounds: the median over rounds of the throughput and
     of each latency percentile, completions and errors summed, and every round's
     throughput (`rounds`), so ratios between runners can be taken round by round."""
     out = {key: value for key, value in rounds[0].items() if key != "texts"}

@@ -17,11 +17,14 @@ def markdown(result: dict) -> str:
             frac = "" if p["rate_fraction"] is None else f"{100 * p['rate_fraction']:.0f}%"
             lines.append(f"| {arm} | {p['rate']} | {frac} | {p['output_tok_per_s']} | {p['request_per_s']} | "
                          f"{_p(p['ttft_ms'])} | {_p(p['tpot_ms'])} | {_p(p['itl_ms'])} | {p['errors']} |")
+    lines += adaptive_table(result["points"])
     lines += clients_table(result.get("client_points") or [])
     s = result["saturation"]
     vllm = result.get("vllm") or {}
+    rounds = max([len(p.get("rounds") or [1]) for p in result["points"]] or [1])
     notes = [f"- {result['requests']} held-out ShareGPT requests per point (mean max_tokens "
-             f"{result['mean_max_tokens']}), greedy, EOS honoured, streamed; Poisson arrivals, seeded",
+             f"{result['mean_max_tokens']}), greedy, EOS honoured, streamed; Poisson arrivals, seeded; "
+             f"{rounds} interleaved round(s) per rate, throughput and latency percentiles their medians",
              f"- saturation ({s['arm']}, every request at once): {s['request_per_s']} req/s, "
              f"{s['output_tok_per_s']} output tok/s",
              f"- our arms streamed the same greedy text as the saturation run: **{result['outputs_identical']}**; "
@@ -30,6 +33,40 @@ def markdown(result: dict) -> str:
              f"- vLLM: {vllm['skipped']}" if "skipped" in vllm else f"- vLLM servers started in (s): {vllm['servers']}",
              f"- machine: {result['machine']}; the sweep took {result['elapsed_s']} s"]
     return "\n".join(lines + [""] + notes) + "\n"
+
+
+def _ratio_text(got: tuple[float, float, float] | None, rounds: int) -> str:
+    if got is None:
+        return ""
+    return f"{got[0]:.3f}" + (f" [{got[1]:.3f}, {got[2]:.3f}]" if rounds > 1 else "")
+
+
+def adaptive_table(points: list[dict]) -> list[str]:
+    """Poisson points: each adaptive arm's throughput over every fixed arm of ours (plain
+    decoding, static-K) at the same rate, and over the best of them (the highest median),
+    as the median over rounds of the per-round ratio, [min, max] where there were several."""
+    from cluster.bench.clients import round_ratio
+
+    adaptive = sorted({p["arm"] for p in points if p["arm"].startswith("adaptive")})
+    fixed = sorted({p["arm"] for p in points if p["arm"] == "nospec" or p["arm"].startswith("static")})
+    if not adaptive or not fixed:
+        return []
+    rounds = max(len(p.get("rounds") or [1]) for p in points)
+    lines = ["", f"Adaptive over the fixed arms at each rate (median over {rounds} round(s) of the per-round "
+             "ratio of output tok/s, [min, max]):", "",
+             "| arm | of saturation | " + " | ".join(f"/ {f}" for f in fixed) + " | / best fixed |",
+             "|" + "---|" * (len(fixed) + 3)]
+    for arm in adaptive:
+        for p in (p for p in points if p["arm"] == arm):
+            at = {q["arm"]: q for q in points if q["rate_fraction"] == p["rate_fraction"]}
+            refs = [at[f] for f in fixed if f in at]
+            if not refs:
+                continue
+            best = max(refs, key=lambda q: q["output_tok_per_s"])
+            cells = [_ratio_text(round_ratio(p, at[f]), rounds) if f in at else "" for f in fixed]
+            lines.append(f"| {arm} | {100 * p['rate_fraction']:.0f}% | " + " | ".join(cells) +
+                         f" | {_ratio_text(round_ratio(p, best), rounds)} ({best['arm']}) |")
+    return lines
 
 
 def clients_table(points: list[dict]) -> list[str]:

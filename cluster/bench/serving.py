@@ -236,17 +236,10 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
             raise RuntimeError(f"{base.arm} completed none of {len(specs)} requests at saturation; errors: "
                                f"{saturation['error_examples']}")
         sat_rps = saturation["request_per_s"]
-        points = []
         rng = random.Random(bench.seed)
-        bar = tqdm(total=len(bench.serve_rates) * len(targets), desc="sweep", mininterval=2)
-        for i, fraction in enumerate(bench.serve_rates):
-            for t in rng.sample(targets, len(targets)):
-                points.append(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction))
-                time.sleep(t.settle_s)
-                bar.update()
-        bar.close()
+        points, rate_rounds = rate_sweep(bench, targets, specs, sat_rps, rng)
         client_points, client_rounds = closed_loop(cfg, config, overrides, targets, specs, ours is not None, rng)
-        identical = compare_texts(saturation, points + client_rounds)
+        identical = compare_texts(saturation, rate_rounds + client_rounds)
     finally:
         for s in peers:
             s.close()
@@ -265,6 +258,31 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
               "machine": _machine(cfg), "elapsed_s": round(time.perf_counter() - started, 1)}
     write_outputs(result, out_dir)
     return result
+
+
+def rate_sweep(bench, targets: list[Target], specs: list[RequestSpec], sat_rps: float,
+               rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """The Poisson points: at every rate, bench.serve_rate_rounds rounds, every arm once per
+    round in an order shuffled per round, on the same requests and arrival times. A point at
+    75-120% of saturation lasts about 2 s, and one arm's throughput moved by 15-20% from one
+    pass to the next on this machine (the ratio of two arms measured side by side, 2-5%).
+    Returns the points merged over rounds (clients.merge_rounds: medians, and each round's
+    throughput, so ratios are taken round by round) and every round's point."""
+    from cluster.bench.clients import merge_rounds
+
+    points, every = [], []
+    bar = tqdm(total=len(bench.serve_rates) * bench.serve_rate_rounds * len(targets), desc="sweep", mininterval=2)
+    for i, fraction in enumerate(bench.serve_rates):
+        got = {t.arm: [] for t in targets}
+        for _ in range(bench.serve_rate_rounds):
+            for t in rng.sample(targets, len(targets)):
+                got[t.arm].append(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction))
+                time.sleep(t.settle_s)
+                bar.update()
+        points += [merge_rounds(got[t.arm]) for t in targets]
+        every += [p for t in targets for p in got[t.arm]]
+    bar.close()
+    return points, every
 
 
 def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Target], specs: list[RequestSpec],
