@@ -154,7 +154,7 @@ class SpecStep:
         policy = self.policy
         compiled, adaptive = policy.compiled, policy.cfg.adaptive
         if (compiled is None or self.mode != "adaptive"
-                or adaptive.estimator != "top_prob_logistic" or len(self.kv) * self.kmax <= SMALL
+                or adaptive.estimator != "top_prob_logistic" or len(self.kv) < 2
                 or top_prob.dtype != np.float64 or margin.dtype != np.float64
                 or not (top_prob.flags.c_contiguous and margin.flags.c_contiguous)):
             return None

@@ -51,18 +51,35 @@ def build_dir() -> Path:
     return CACHE_ROOT / key
 
 
+def _module():
+    """The compiled module, loaded once per process (None where it cannot be built or is turned off)."""
+    if "module" not in _state:
+        with _lock:
+            if "module" not in _state:
+                _state["module"] = _load()
+    return _state["module"]
+
+
 def cpu_ops():
-    """The compiled kernels, or None where they cannot be built or are turned off."""
+    """The compiled kernels for a CPU rank's forwards, or None where they cannot be built or are
+    turned off. The first call also gives the kernels' pool torch's threads (set_threads)."""
     if "ops" in _state:
         return _state["ops"]
+    ops = _module()
     with _lock:
         if "ops" not in _state:
-            ops = _load()
             _apply_threads(ops, _state.get("threads") or torch.get_num_threads())
             if ops is not None:
                 speed_check(ops)
             _state["ops"] = ops
         return _state["ops"]
+
+
+def controller_ops():
+    """The same module for the speculation controller alone (one_row.cpp, rank.cpp,
+    many_rows.cpp): host code, single-threaded, whatever device the model runs on, so
+    loading it leaves torch's threads as they are. None where it cannot be built."""
+    return _module()
 
 
 def set_threads(n: int) -> None:

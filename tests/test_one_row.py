@@ -242,19 +242,21 @@ def test_a_column_of_logistic_estimates_is_the_same_doubles(ops):
         assert ops.logistic_column(w, p, m).tolist() == want
 
 
-@pytest.mark.parametrize("dtype,b2", [(np.float64, 1e-6), (np.float64, 2e-5), (np.float32, 1e-6)])
-def test_a_large_batch_decides_the_same_compiled_and_not(ops, dtype, b2):
-    """Adaptive-7 at batch 40 over 60 steps of random drafts, one policy with the kernels and
+@pytest.mark.parametrize("dtype,b2,n", [(np.float64, 1e-6, 40), (np.float64, 2e-5, 40), (np.float32, 1e-6, 40),
+                                        (np.float64, 2e-5, 2), (np.float64, 1e-6, 5), (np.float64, 2e-5, 9)])
+def test_a_batch_decides_the_same_compiled_and_not(ops, dtype, b2, n):
+    """Adaptive-7 at batch n over 60 steps of random drafts, one policy with the kernels and
     one without: the same budgets, early-stop answers and keep sets every step. float64
-    buffers, as the draft loop's: the compiled policy decides in its ManyRows; float32: in
-    the kernels' functions one by one, with Python between them. b2: the context's cost,
-    which the keep set's Dinkelbach rounds weigh."""
+    buffers, as the draft loop's: the compiled policy decides in its ManyRows (from batch 2:
+    below 64 candidates the one without decides in plain Python); float32: in the kernels'
+    functions one by one, with Python between them. b2: the context's cost, which the keep
+    set's Dinkelbach rounds weigh."""
     cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True))
     policies = [SpecPolicy(cfg, compiled=c) for c in (ops, None)]
     for policy in policies:  # drafting pays at this batch size: the step drafts and decides
         policy.install(TimeModel(version=1, b0=8.0, b1=0.01, b2=b2, d0=0.3, d1=0.001, o0=0.3))
     rng = np.random.default_rng(5)
-    n, k, stops, kept, many = 40, 7, 0, 0, 0
+    k, stops, kept, many = 7, 0, 0, 0
     for _ in range(60):
         kv, cap = rng.integers(100, 900, n), rng.integers(0, k + 1, n)
         top = rng.beta(2, 1, (k, n)).astype(np.float32).astype(dtype)

@@ -95,6 +95,35 @@ def test_adaptive_stands_down_where_drafting_cannot_pay():
     assert adaptive["tok_per_s"] >= 0.9 * plain["tok_per_s"]
 
 
+def test_replay_decides_as_a_rank_does(monkeypatch):
+    """The replay's policy takes the compiled decisions a rank's takes (kernels.controller_ops)
+    and asks the early stop through the draft loop's (budget, n) buffers, as the runner does:
+    steps of 2-4 sequences decide in ManyRows, and decide the same as the policy in Python."""
+    from cluster.sim import replay
+    from controller.step import SpecStep
+
+    if replay.controller_ops() is None:
+        pytest.skip("the compiled kernels do not load here")
+    made, many_rows = [], SpecStep._many_rows
+
+    def counted(self, top, margin):
+        got = many_rows(self, top, margin)
+        made.append(got is not None)
+        return got
+
+    monkeypatch.setattr(SpecStep, "_many_rows", counted)
+    rng = np.random.default_rng(3)
+    n, k = 40, 5
+    top = rng.beta(2, 1, (n, k))
+    pool = DraftPool(top, top * rng.uniform(0.3, 1, (n, k)), rng.integers(0, k + 1, n), np.arange(0, n, 4),
+                     np.full(n // 4, 4), np.full(n, 100), "synthetic")
+    arm, cost = SimArm("adaptive", k, 4), FlatCost(validate=1.0, draft=0.12)
+    compiled = _run(arm, pool, cost, output_len=33, seqs=8)
+    monkeypatch.setattr(replay, "controller_ops", lambda: None)
+    assert _run(arm, pool, cost, output_len=33, seqs=8) == compiled
+    assert any(made) and compiled["verified_per_seq_step"] > 0
+
+
 def test_profile_cost_recovers_the_steps_it_was_fitted_on():
     rng = np.random.default_rng(0)
     steps = []

@@ -128,9 +128,10 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
                              f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
         kernels.pack_weights_as(draft, DTYPES[spec.draft_weights])
         proposer = DraftModelProposer(draft, cache.num_blocks, cache.block_size)
-    # the controller's compiled batch-1 path comes with the CPU kernels (models/csrc/one_row.cpp): built for CPU
-    # ranks, whose forwards leave the controller's Python out of cache, not for an accelerator's
-    compiled = kernels.cpu_ops() if proposer is not None and device.type == "cpu" else None
+    # the controller's compiled decisions (models/csrc/one_row.cpp, many_rows.cpp, rank.cpp) run on the host
+    # whatever the device: in plain Python a step's early stops and keep set took 0.25-1 ms at batch 8-256,
+    # warm (the simulator, adaspec simulate), and a CPU rank's forwards also leave that Python out of cache
+    compiled = kernels.controller_ops() if proposer is not None else None
     policy = SpecPolicy(spec, compiled=compiled)
     return ModelRunner(rank, target, proposer, policy, cache.num_blocks, cache.block_size, device)
 

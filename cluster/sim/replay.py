@@ -29,6 +29,7 @@ from cluster.sim.traces import DraftPool
 from controller.config import SpeculativeConfig
 from controller.policy import SpecPolicy
 from controller.registry import ProfileRegistry, StepSample
+from models.kernels import controller_ops
 
 
 WARM_ROWS = 4096  # draft rows the calibrators see before an arm starts (see warm)
@@ -137,7 +138,7 @@ class Run:
               warm_rows: int = WARM_ROWS) -> "Run":
         if arm.k > pool.k:
             raise ValueError(f"arm {arm.name} drafts {arm.k} tokens but the trace's static rows have {pool.k}")
-        policy = SpecPolicy(spec)
+        policy = SpecPolicy(spec, compiled=controller_ops())  # as a rank's (workers/worker.py)
         model, sweep_samples = startup
         registry = ProfileRegistry(spec.adaptive.refit_every, model, sweep_samples, spec.adaptive.time_model)
         run = cls(arm, pool, policy, registry, policy.install(model), np.random.default_rng(seed))
@@ -160,13 +161,21 @@ class Run:
         oracle = np.where(np.arange(kk)[None, :] < true_acc[:, None], 0, 1) if mode == "oracle" else None
         t0 = time.perf_counter()
         step = policy.begin_step(mode, ctx_kv, max_keep, self.version, kk, oracle)
+        # the draft loop's (budget, n) float64 buffers, a row per position, which the early stop reads as
+        # in the engine (workers/runner.py; their making is the draft's time there, not the controller's)
+        t1 = time.perf_counter()
+        top_rows, margin_rows = np.empty((2, step.budget, n))  # (fresh: a slice's strides need not be plain)
+        top_rows[:], margin_rows[:] = top[:, :step.budget].T, margin[:, :step.budget].T
+        tokens_rows = tokens[:, :step.budget].T
+        t0 += time.perf_counter() - t1
         m = stops = 0
+        more = step.early_stop(top_rows, margin_rows, tokens_rows) if step.budget else None
         for j in range(step.budget):
             m += 1
             if j == step.budget - 1:
                 break
             stops += 1
-            if not step.keep_drafting(top[:, :m], margin[:, :m], tokens[:, :m]):
+            if more is not None and not more(m):
                 break
         keep = step.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
         accepted = np.minimum(keep, true_acc)
