@@ -130,7 +130,15 @@ class SpecPolicy:
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray,
                  accepted: np.ndarray) -> None:
         """The step's outcomes (as `observe`), and the probe back-off: the interval doubles while
-        probes keep finding that drafting does not pay, and starts over when one finds it does."""
+        probes keep finding that drafting does not pay, and starts over when one finds it does.
+
+        An oracle step teaches nothing: it verified the drafts that match the reference, chosen
+        by their outcome, so nearly every one it verified was accepted. In the benchmark, where
+        the oracle arms share the policy with the adaptive ones, their outcomes had made the
+        logistic estimate 0.03-0.06 too high for every other arm's drafts (replay of a recorded
+        benchmark trace, per position at batch 1 and 8; calibrated without them)."""
+        if step.mode == "oracle":
+            return
         if step.probe and not step.cold_start:
             self.probe_every = min(PROBE_MAX_EVERY, self.probe_every * 2) if step.best_m == 0 else PROBE_EVERY
         counted = None

@@ -402,3 +402,23 @@ def test_only_steps_that_may_stop_early_ask():
     assert not step.probe and callable(step.early_stop(*buffers))
     oracle = policy.begin_step("oracle", kv, cap, 1, 4, np.ones((2, 4), dtype=np.int64))
     assert callable(oracle.early_stop(*buffers))
+
+
+def test_oracle_steps_teach_the_estimators_nothing():
+    """An oracle step verifies the drafts that match the reference, chosen by their outcome:
+    its all-accepted drafts must not reach the calibrators, or every other arm sharing the
+    policy reads its estimates too high. The same outcomes from static steps do reach them."""
+    def run(mode: str) -> SpecPolicy:
+        policy = _policy(k=4)
+        policy.install(TimeModel(version=1, b0=8.0, b1=0.01, b2=0.0, d0=0.3, d1=0.001))
+        kv, cap = np.full(2, 100), np.full(2, 4)
+        top = np.full((2, 4), 0.3)
+        for _ in range(300):  # past several calibration batches
+            step = policy.begin_step(mode, kv, cap, 1, 4, np.ones((2, 4), dtype=np.int64))
+            policy.end_step(step, top, top / 2, np.full(2, 4), np.full(2, 4))
+        return policy
+
+    fresh, oracle, static = _policy(k=4), run("oracle"), run("static")
+    assert oracle.logistic.weights == fresh.logistic.weights
+    assert oracle.calibrator.trials.sum() == 0 and oracle.yields.buckets == {}
+    assert static.calibrator.trials.sum() > 0 and static.logistic.weights != fresh.logistic.weights
