@@ -49,6 +49,18 @@ def test_scores_every_estimator_and_writes_files(tmp_path):
     assert "best log-loss" in (tmp_path / "out" / "estimators.md").read_text()
 
 
+def test_oracle_steps_neither_teach_nor_score(tmp_path):
+    """An oracle step's verified drafts were chosen by their outcome (all accepted here, at low
+    top probabilities): the replay leaves them out, as the engine's calibrators do."""
+    plain, mixed = tmp_path / "plain.jsonl", tmp_path / "mixed.jsonl"
+    _trace(plain)
+    lines = plain.read_text().splitlines()
+    oracle = json.dumps({"label": "oracle-3/r0", "mode": "oracle", "draft_steps": 3, "keep": [3] * 4,
+                         "accepted": [3] * 4, "top_prob": [[0.05] * 3] * 4, "margin": [[0.01] * 3] * 4})
+    mixed.write_text("\n".join(x for line in lines for x in (line, oracle)) + "\n")
+    assert estimators.evaluate(mixed) == estimators.evaluate(plain)
+
+
 def test_a_trace_without_verified_drafts_is_refused(tmp_path):
     trace = tmp_path / "trace.jsonl"
     _trace(trace, steps=0)

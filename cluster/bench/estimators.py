@@ -5,7 +5,7 @@
     adaspec estimators --trace out/trace.jsonl --out out/estimators
 
 Replays the trace's decode steps in order (every arm's steps that verified drafts, the
-reference runs excluded). Each estimator (controller/estimators.py, the code the engine
+reference runs and oracle steps excluded). Each estimator (controller/estimators.py, the code the engine
 runs) predicts every verified draft's acceptance before it learns that step's outcome, as
 in the engine. Scored on the second half of the drafts (nothing was fitted to them
 beforehand): AUC (how well the estimate ranks), Brier score and log-loss (how well it is
@@ -31,7 +31,10 @@ def replay(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per estimator: (estimates, outcomes) of every verified draft, in trace order."""
     steps = []
     for r in read_trace(path):
-        if r["label"] != "reference" and r["draft_steps"] > 0 and any(r["keep"]):
+        # an oracle step verified the drafts that match the reference, chosen by their outcome: the
+        # engine's calibrators skip it (SpecPolicy.end_step), and so does this replay
+        oracle = r.get("mode") == "oracle" or r["label"].startswith("oracle")
+        if r["label"] != "reference" and not oracle and r["draft_steps"] > 0 and any(r["keep"]):
             steps.append(r)
     if not steps:
         raise ValueError(f"{path}: no decode step verified any draft (record a static-k arm)")
