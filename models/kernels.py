@@ -195,7 +195,8 @@ def _load():
         (where / "ok").touch()
         return module
     except Exception as e:  # noqa: BLE001 - any build failure: fall back to torch ops, and say so
-        log.warning("CPU attention kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
+        log.warning("compiled kernels unavailable (%s: %s); using torch ops and the controller's Python twins",
+                    type(e).__name__, e)
         return None
 
 

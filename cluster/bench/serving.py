@@ -9,8 +9,9 @@ of the plain-decoding saturation, measured first with every request sent at once
 Arms (bench.serve_arms): our server (`adaspec serve`'s Ray Serve app) in each
 configuration, one application per arm under its own route prefix, all started first;
 with bench.vllm_python set, also vLLM's OpenAI server on the same checkpoint
-(bench.serve_vllm_arms). At every rate the arms take turns in an order shuffled (seeded)
-from rate to rate, on the same requests and the same arrival times; every arm's processes,
+(bench.serve_vllm_arms). At every rate the arms take turns in bench.serve_rate_rounds
+rounds, in an order shuffled (seeded) round by round, on the same requests and the same
+arrival times (a point: the medians over rounds; `rate_sweep`); every arm's processes,
 ours and vLLM's alike, are stopped (SIGSTOP) while the others are measured, and after a
 vLLM arm the next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`). `--url` measures one
 running OpenAI-compatible server instead. Writes serve.json, serve.md and serve.png.
