@@ -191,9 +191,9 @@ class SpecPolicy:
 
         return self._per_model(tm, (use, id(tm), n, extra), compute)
 
-    def draft_step_ms(self, tm: TimeModel, n: int) -> float:
-        """tm.draft_step_ms(n), computed once per time model and batch size."""
-        return self._per_model(tm, ("g", id(tm), n), lambda: tm.draft_step_ms(n))
+    def draft_terms(self, tm: TimeModel, n: int) -> tuple[float, float]:
+        """(tm.first_ms(n), tm.draft_step_ms(n)): h(n) and g(n), computed once per time model and batch size."""
+        return self._per_model(tm, ("hg", id(tm), n), lambda: (tm.first_ms(n), tm.draft_step_ms(n)))
 
     def _per_model(self, tm: TimeModel, key: tuple, compute):
         """compute()'s value for `key`, kept while `tm` is the model it was computed for."""
@@ -223,9 +223,9 @@ class SpecPolicy:
             return hit[1]
         if len(self._budget_cache) > 256:
             self._budget_cache.clear()
-        g = self.draft_step_ms(tm, n)
+        first, g = self.draft_terms(tm, n)
         f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        (gain, share), o0, o1, first = ([1.0] * k,) * 2 if optimistic else self.shares(n), tm.o0, tm.o1, tm.d_first
+        (gain, share), o0, o1 = ([1.0] * k,) * 2 if optimistic else self.shares(n), tm.o0, tm.o1
         terms, expected, verified = [], 1.0, 1.0
         for m in range(1, k + 1):
             expected += gain[m - 1]

@@ -47,7 +47,7 @@ class SpecStep:
         self.drafted = None  # ... and (max_keep, drafts made): what the draft yields count at the step's end
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
-        self._g: float | None = None  # the time model's g(n), asked once per step
+        self._g: tuple | None = None  # the time model's h(n) and g(n), asked once per step
         self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
         self._watched = False  # ... which reads the draft loop's buffers itself (early_stop)
         self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads them too
@@ -62,7 +62,7 @@ class SpecStep:
             caps = np.zeros_like(max_keep)
             caps[self.rows] = max_keep[self.rows]
             self._set_caps(caps)
-            self._g = None  # g(n) of the rows that draft
+            self._g = None  # h(n) and g(n) of the rows that draft
             if not self.kmax:
                 self.budget, self.rows = 0, None
 
@@ -238,15 +238,19 @@ class SpecStep:
                                     self.policy.f_values(self.model, "decide", len(self.kv), extra))
         return self.costs
 
-    def _draft_step_ms(self) -> float:
-        """The time model's g(n), looked up once per step."""
+    def _draft_terms(self) -> tuple[float, float]:
+        """The time model's h(n) and g(n), n the sequences that draft, looked up once per step."""
         if self._g is None:
-            self._g = self.policy.draft_step_ms(self.model, len(self.kv) if self.rows is None else len(self.rows))
+            n = len(self.kv) if self.rows is None else len(self.rows)
+            self._g = self.policy.draft_terms(self.model, n)
         return self._g
 
     def _draft_ms(self, steps: int) -> float:
         """The time model's draft_ms(n, steps)."""
-        return self.model.d_first + steps * self._draft_step_ms() if steps > 0 else 0.0
+        if steps <= 0:
+            return 0.0
+        h, g = self._draft_terms()
+        return h + steps * g
 
     def _oracle_match(self, tokens: np.ndarray) -> np.ndarray:
         j = tokens.shape[1]

@@ -1,9 +1,9 @@
 """The validate- and draft-time models and their least-squares fits.
 
     T_val = f(Q) + b2 * sum_i q_i * kv_i        (ms), Q = sum_i q_i
-    T_draft = d_first + m g(n)                   (ms for m >= 1 draft steps of n sequences; the
+    T_draft = h(n) + m g(n)                      (ms for m >= 1 draft steps of n sequences; the
                                                   first step also catches the draft up on the
-                                                  tokens accepted last step)
+                                                  tokens accepted last step: h)
     T_other = o0 + o1 E                          (ms per step, E tokens emitted: scheduling,
                                                   sampling, accepting, detokenizing, storing)
 
@@ -16,11 +16,18 @@ plain decoding is faster.
 q_i is the number of tokens sequence i validates (kept drafts + 1) and kv_i its context
 length. Two kinds (`speculative.adaptive.time_model`):
 
-  linear  f(Q) = b0 + b1 Q, g(n) = d0 + d1 n
-  table   f and g piecewise linear between knots (Q = 1, 2, 4, ..., the largest measured;
-          n likewise), non-decreasing, extrapolated past the last knot with the last
-          segment's slope. A CPU's cost per token falls as Q grows (one token 3.3 ms,
-          eight 7.5 ms at batch 1 here), which a line cannot follow.
+  linear  f(Q) = b0 + b1 Q
+  table   f piecewise linear between knots (Q = 1, 2, 4, ..., the largest measured),
+          non-decreasing, extrapolated past the last knot with the last segment's slope.
+          A CPU's cost per token falls as Q grows (one token 3.3 ms, eight 7.5 ms at
+          batch 1 here), which a line cannot follow.
+
+Draft time is a table over n for both kinds: h and g at n = 1, 2, 4, ..., the largest
+measured, non-decreasing. With one line g(n) = d0 + d1 n over n = 1..64 and one h for
+every n, the fit priced batch 1's further draft step at 0.39 ms where its steps measured
+0.29, and half its first step's catch-up; the early stop, weighing a draft's expected
+tokens against that price, stopped a position early. (A model made by hand may still give
+g as d0 + d1 n and h as d_first.)
 
 Both are fitted by least squares on measured steps with every coefficient non-negative
 (for the table, every segment's slope), relative to each step's time, dropping outliers.
@@ -50,8 +57,9 @@ class TimeModel:
     # the table kind (empty: linear): f at q_knots, g at n_knots
     q_knots: tuple = ()
     q_ms: tuple = ()
-    n_knots: tuple = ()
-    n_ms: tuple = ()
+    n_knots: tuple = ()  # draft time at these batch sizes (both kinds, once fitted; empty: d0, d1 and d_first)
+    n_ms: tuple = ()  # g
+    h_ms: tuple = ()  # h (empty: d_first at every n)
 
     @property
     def kind(self) -> str:
@@ -86,15 +94,20 @@ class TimeModel:
             return float(piecewise(n, self.n_knots, self.n_ms))
         return self.d0 + self.d1 * n
 
+    def first_ms(self, n: int) -> float:
+        """h(n): what the first of n sequences' draft steps costs beyond the others."""
+        return float(piecewise(n, self.n_knots, self.h_ms)) if self.h_ms else self.d_first
+
     def draft_ms(self, n: int, steps: int) -> float:
-        """`steps` draft steps for n sequences: d_first + steps g(n) (nothing for none)."""
-        return self.d_first + steps * self.draft_step_ms(n) if steps > 0 else 0.0
+        """`steps` draft steps for n sequences: h(n) + steps g(n) (nothing for none)."""
+        return self.first_ms(n) + steps * self.draft_step_ms(n) if steps > 0 else 0.0
 
     def draft_ms_at(self, n: np.ndarray, steps: np.ndarray) -> np.ndarray:
         """draft_ms for arrays of steps' batch sizes and draft step counts."""
         n, steps = np.asarray(n, dtype=np.float64), np.asarray(steps, dtype=np.float64)
         g = piecewise(n, self.n_knots, self.n_ms) if self.n_knots else self.d0 + self.d1 * n
-        return np.where(steps > 0, self.d_first + steps * g, 0.0)
+        h = piecewise(n, self.n_knots, self.h_ms) if self.h_ms else self.d_first
+        return np.where(steps > 0, h + steps * g, 0.0)
 
 
 def piecewise(x, knots, values):
@@ -175,7 +188,7 @@ def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms
     omitted: times per single step); other: (tokens emitted, ms) of the rest of measured
     steps. MAE and MAPE are over the validate points the fit kept."""
     report = _fit_validate(rows, validate_ms, version, kind)
-    report = dataclasses.replace(report, model=_fit_draft(report.model, draft_n, draft_ms, draft_steps, kind))
+    report = dataclasses.replace(report, model=_fit_draft(report.model, draft_n, draft_ms, draft_steps))
     if other is not None and len(other[0]) >= 2:
         o = line_fit(*other)
         report = dataclasses.replace(report, model=dataclasses.replace(report.model, o0=float(o[0]), o1=float(o[1])))
@@ -202,23 +215,23 @@ def error_report(model: TimeModel, rows: np.ndarray, validate_ms: np.ndarray) ->
     return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms, 1e-6)).mean()), len(validate_ms))
 
 
-def _fit_draft(model: TimeModel, n: np.ndarray, ms: np.ndarray, steps: np.ndarray | None, kind: str) -> TimeModel:
-    """d_first + m g(n) on steps that drafted m >= 1 times (g a line, or for the table kind
-    non-decreasing piecewise linear over n). While every step drafted once (the startup
-    sweep) the first step's extra cannot be told apart: d_first stays 0."""
+def _fit_draft(model: TimeModel, n: np.ndarray, ms: np.ndarray, steps: np.ndarray | None) -> TimeModel:
+    """h(n) + m g(n) on steps that drafted m >= 1 times, h and g non-decreasing piecewise
+    linear over n (knots 1, 2, 4, .., the largest n). While every step drafted as many times
+    (the startup sweep before a k was set) the first step's extra cannot be told apart: h
+    stays 0."""
     n, ms = np.asarray(n, dtype=np.float64), np.asarray(ms, dtype=np.float64)
     if len(n) < 2:
         return model  # too little to fit: the defaults
     m = np.ones_like(n) if steps is None else np.asarray(steps, dtype=np.float64)
-    base = ramps(n, doubling_knots(n)) if kind == "table" else np.stack([np.ones_like(n), n], 1)
+    knots = doubling_knots(n)
+    base = ramps(n, knots)
     several = len(np.unique(m)) > 1
-    x = np.column_stack(([np.ones_like(n)] if several else []) + [base * m[:, None]])
+    x = np.column_stack(([base] if several else []) + [base * m[:, None]])
     coef = robust_nonneg_lstsq(x, ms)[0]
-    first, g = (float(coef[0]), coef[1:]) if several else (0.0, coef)
-    if kind == "table":
-        knots = doubling_knots(n)
-        return dataclasses.replace(model, d_first=first, n_knots=tuple(knots), n_ms=tuple(knot_values(g, knots)))
-    return dataclasses.replace(model, d_first=first, d0=float(g[0]), d1=float(g[1]))
+    h, g = (coef[:len(knots)], coef[len(knots):]) if several else (np.zeros(len(knots)), coef)
+    return dataclasses.replace(model, d_first=0.0, n_knots=tuple(knots.tolist()),
+                               n_ms=tuple(knot_values(g, knots).tolist()), h_ms=tuple(knot_values(h, knots).tolist()))
 
 
 def doubling_knots(x: np.ndarray) -> np.ndarray:

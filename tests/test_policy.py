@@ -2,6 +2,8 @@
 and probe steps backing off while drafting does not pay."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -282,7 +284,7 @@ def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k:
         verified += share[m - 1]
         lo = min(int(verified - 1.0), k - 1)
         f_val = f[lo] + (verified - 1.0 - lo) * (f[lo + 1] - f[lo])
-        theta = expected / ((tm.o0 + tm.o1 * (n * expected)) + (tm.d_first + m * g) + f_val + verified * kv_ms)
+        theta = expected / ((tm.o0 + tm.o1 * (n * expected)) + (tm.first_ms(n) + m * g) + f_val + verified * kv_ms)
         if theta > best * (1.0 + policy.cfg.adaptive.min_gain):
             best_m, best = m, theta
     return best_m
@@ -302,6 +304,10 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
         policy.last_probe = 10**9  # no probe
         tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(0, 1e-3),
                        d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05))
+        if trial % 2:  # draft time as a fitted model has it: h and g tabled over n
+            tm = dataclasses.replace(tm, n_knots=(1.0, 2.0, 4.0, 16.0, 64.0),
+                                     n_ms=tuple(np.cumsum(rng.uniform(0, 0.5, 5)).tolist()),
+                                     h_ms=tuple(np.cumsum(rng.uniform(0, 0.5, 5)).tolist()))
         policy.install(tm)
         for n in (1, 3, 8, 40):
             for k in (7, 7, 3):  # the same batch size again: cached terms, another context; then fewer drafts

@@ -49,7 +49,7 @@ def test_a_matching_cache_is_reused_and_a_stale_one_swept_again(tmp_path, caplog
     swept = ranks.calls
     assert swept == len(samples) > 0 and abs(model.b1 - 0.1) < 1e-6 and abs(model.b2 - 1e-4) < 1e-9
     # the draft points time one and k positions: the first position's extra is told apart from the rest
-    assert abs(model.d_first - 0.3) < 0.02 and abs(model.draft_step_ms(16) - 0.66) < 0.02
+    assert abs(model.first_ms(16) - 0.3) < 0.02 and abs(model.draft_step_ms(16) - 0.66) < 0.02
     again, _ = sweep.load_or_sweep(ranks, _cfg(tmp_path), progress=False)
     assert ranks.calls == swept and again == model  # reused: no probe ran
     with caplog.at_level(logging.WARNING, logger="adaspec.sweep"):

@@ -21,11 +21,14 @@ from controller.time_model import TimeModel
 def describe(m: TimeModel) -> str:
     if m.kind == "table":
         f = ", ".join(f"{q:g}: {ms:.3f}" for q, ms in zip(m.q_knots, m.q_ms))
-        g = ", ".join(f"{n:g}: {ms:.3f}" for n, ms in zip(m.n_knots, m.n_ms)) or "none measured"
-        return (f"T_val = f(sum q) + {m.b2:.2e} * sum q*kv  ms, f at sum q = {{{f}}}\n"
-                f"T_draft = {m.d_first:.3f} + m g(n) ms for m draft steps, g at n = {{{g}}}")
-    return (f"T_val = {m.b0:.3f} + {m.b1:.4f} * sum q + {m.b2:.2e} * sum q*kv  ms\n"
-            f"T_draft = {m.d_first:.3f} + m ({m.d0:.3f} + {m.d1:.4f} * n)  ms for m draft steps")
+        val = f"T_val = f(sum q) + {m.b2:.2e} * sum q*kv  ms, f at sum q = {{{f}}}"
+    else:
+        val = f"T_val = {m.b0:.3f} + {m.b1:.4f} * sum q + {m.b2:.2e} * sum q*kv  ms"
+    if m.n_knots:
+        hg = ", ".join(f"{n:g}: ({h:.3f}, {g:.3f})" for n, h, g in zip(m.n_knots, m.h_ms or [m.d_first] * len(m.n_knots),
+                                                                      m.n_ms))
+        return f"{val}\nT_draft = h(n) + m g(n) ms for m draft steps, (h, g) at n = {{{hg}}}"
+    return f"{val}\nT_draft = {m.d_first:.3f} + m ({m.d0:.3f} + {m.d1:.4f} * n)  ms for m draft steps"
 
 
 def plot(samples: list[StepSample], model: TimeModel, path: Path) -> None:
