@@ -25,8 +25,8 @@ length. Two kinds (`speculative.adaptive.time_model`):
 Draft time is a table over n for both kinds: h and g at n = 1, 2, 4, ..., the largest
 measured, non-decreasing. With one line g(n) = d0 + d1 n over n = 1..64 and one h for
 every n, the fit priced batch 1's further draft step at 0.39 ms where its steps measured
-0.29, and half its first step's catch-up; the early stop, weighing a draft's expected
-tokens against that price, stopped a position early. (A model made by hand may still give
+0.29 (and its first step's extra at 0.35 where it measured 0.21); the early stop, weighing
+a draft's expected tokens against that price, stopped a position early. (A model made by hand may still give
 g as d0 + d1 n and h as d_first.)
 
 Both are fitted by least squares on measured steps with every coefficient non-negative
@@ -54,7 +54,7 @@ class TimeModel:
     d_first: float = 0.0  # ms a step's first draft step costs beyond the others (MTP catches up on accepted tokens)
     o0: float = 0.0  # ms per step outside drafting and validation
     o1: float = 0.0  # ... per emitted token
-    # the table kind (empty: linear): f at q_knots, g at n_knots
+    # the table kind's f at q_knots (empty: linear)
     q_knots: tuple = ()
     q_ms: tuple = ()
     n_knots: tuple = ()  # draft time at these batch sizes (both kinds, once fitted; empty: d0, d1 and d_first)
