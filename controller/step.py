@@ -30,7 +30,7 @@ class SpecStep:
 
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "explore", "rows",
-                 "costs", "rule_keep", "drafted", "conf", "_paths", "_g", "_one", "_watched", "_many", "one_row_ok",
+                 "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_one", "_watched", "_many", "one_row_ok",
                  "max_keep", "max_keep_list", "kmax", "best_m", "budget")
 
     def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
@@ -47,7 +47,7 @@ class SpecStep:
         self.drafted = None  # ... and (max_keep, drafts made): what the draft yields count at the step's end
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
-        self._g: tuple | None = None  # the time model's h(n) and g(n), asked once per step
+        self._hg: tuple | None = None  # the time model's h(n) and g(n), asked once per step
         self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
         self._watched = False  # ... which reads the draft loop's buffers itself (early_stop)
         self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads them too
@@ -62,7 +62,7 @@ class SpecStep:
             caps = np.zeros_like(max_keep)
             caps[self.rows] = max_keep[self.rows]
             self._set_caps(caps)
-            self._g = None  # h(n) and g(n) of the rows that draft
+            self._hg = None  # h(n) and g(n) of the rows that draft
             if not self.kmax:
                 self.budget, self.rows = 0, None
 
@@ -240,10 +240,10 @@ class SpecStep:
 
     def _draft_terms(self) -> tuple[float, float]:
         """The time model's h(n) and g(n), n the sequences that draft, looked up once per step."""
-        if self._g is None:
+        if self._hg is None:
             n = len(self.kv) if self.rows is None else len(self.rows)
-            self._g = self.policy.draft_terms(self.model, n)
-        return self._g
+            self._hg = self.policy.draft_terms(self.model, n)
+        return self._hg
 
     def _draft_ms(self, steps: int) -> float:
         """The time model's draft_ms(n, steps)."""

@@ -218,8 +218,8 @@ def error_report(model: TimeModel, rows: np.ndarray, validate_ms: np.ndarray) ->
 def _fit_draft(model: TimeModel, n: np.ndarray, ms: np.ndarray, steps: np.ndarray | None) -> TimeModel:
     """h(n) + m g(n) on steps that drafted m >= 1 times, h and g non-decreasing piecewise
     linear over n (knots 1, 2, 4, .., the largest n). While every step drafted as many times
-    (the startup sweep before a k was set) the first step's extra cannot be told apart: h
-    stays 0."""
+    (a startup sweep at k = 1, which times one draft position only) the first step's extra
+    cannot be told apart: h stays 0."""
     n, ms = np.asarray(n, dtype=np.float64), np.asarray(ms, dtype=np.float64)
     if len(n) < 2:
         return model  # too little to fit: the defaults

@@ -33,8 +33,7 @@ def replay(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     for r in read_trace(path):
         # an oracle step verified the drafts that match the reference, chosen by their outcome: the
         # engine's calibrators skip it (SpecPolicy.end_step), and so does this replay
-        oracle = r.get("mode") == "oracle" or r["label"].startswith("oracle")
-        if r["label"] != "reference" and not oracle and r["draft_steps"] > 0 and any(r["keep"]):
+        if r["label"] != "reference" and r.get("mode") != "oracle" and r["draft_steps"] > 0 and any(r["keep"]):
             steps.append(r)
     if not steps:
         raise ValueError(f"{path}: no decode step verified any draft (record a static-k arm)")
