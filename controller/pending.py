@@ -3,6 +3,8 @@ each step's (top_prob, margin, verified, accepted, rule, width), taken apart and
 into the arrays the estimators fit on."""
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 from controller.step import EXPLORE_EVERY
@@ -43,3 +45,12 @@ def stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     margin[inside] = np.concatenate([m[:, :w].ravel() for _, m, _, _, _, w in pending])
     weights[inside & (col >= np.asarray(rules, dtype=np.int64)[:, None])] = float(EXPLORE_EVERY)
     return top, margin, weights
+
+
+def joined(parts: list) -> np.ndarray:
+    """The pending steps' per-sequence values (lists of ints or int arrays) end to end, as
+    one int64 array: lists (small batches) joined in Python, where converting each cost a
+    numpy call."""
+    if all(isinstance(p, list) for p in parts):
+        return np.array(list(chain.from_iterable(parts)), dtype=np.int64)
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])

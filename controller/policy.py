@@ -18,10 +18,10 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import SMALL, draft_units, f_table, step_costs
+from controller.decision import draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
-from controller.pending import every, stacked
+from controller.pending import every, joined, stacked
 from controller.step import SpecStep
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import YieldsByBatch, batch_bucket, prior_rates
@@ -43,6 +43,9 @@ class SpecPolicy:
         decides with (the same answers as controller/one_row.py's); None: the Python one."""
         self.cfg = cfg
         self.compiled = compiled
+        # read at every step: held here, one attribute away (each lookup costs batch 1 time, caches cold)
+        self.early_stop_on = cfg.adaptive.early_stop
+        self.logistic_estimates = cfg.adaptive.estimator == "top_prob_logistic"
         self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow)
         self._compiled_weights: tuple | None = None  # (logistic weights, as the kernels take them)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
@@ -57,6 +60,7 @@ class SpecPolicy:
         self.cold = True  # fewer than COLD_TRIALS first drafts verified so far (set by every calibration batch)
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
+        self._counts: list[tuple] = []  # ((max_keep, drafts made), verified, accepted) for the draft yields, as many
         self._batches = 0  # calibration batches so far (the large batches' sample offset rotates with them)
         self.yields = YieldsByBatch(max(cfg.num_speculative_tokens, 1))
         self._f_cache: dict[tuple, tuple] = {}  # values a time model gives a batch size (f_values, draft_step_ms)
@@ -97,10 +101,12 @@ class SpecPolicy:
             return self.models[max(self.models)]
 
     # ------------------------------------------------------------------ one step
-    def begin_step(self, mode: str, kv: np.ndarray, max_keep: np.ndarray, version: int, k: int,
+    def begin_step(self, mode: str, kv, max_keep, version: int, k: int,
                    oracle: np.ndarray | None = None) -> SpecStep:
         """The step's decisions (controller/step.py): kv, max_keep: (n,) context length and
-        drafts each sequence may verify; k: drafts the step may make (0: none); oracle: (n, k)
+        drafts each sequence may verify, lists of ints (or arrays; a list spares a small batch
+        numpy's calls, each several microseconds between two forward passes, when the caches
+        are cold); k: drafts the step may make (0: none); oracle: (n, k)
         reference tokens after the last emitted one (-1 past the end), oracle mode only.
 
         Probe steps: without them, positions the budget calls hopeless would never be
@@ -118,7 +124,9 @@ class SpecPolicy:
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = learning = False
-        model = self.model(version)
+        model = self.models.get(version) if version == self.in_use else None  # the usual step: `model`'s fast path
+        if model is None:
+            model = self.model(version)
         if mode == "adaptive":
             self.adaptive_steps += 1
             learning = self.cold and k > 0 and self.could_pay(model, len(kv), k)
@@ -127,10 +135,10 @@ class SpecPolicy:
                 self.last_probe, self.probes = self.adaptive_steps, self.probes + 1
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning)
 
-    def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray,
-                 accepted: np.ndarray) -> None:
-        """The step's outcomes (as `observe`), and the probe back-off: the interval doubles while
-        probes keep finding that drafting does not pay, and starts over when one finds it does.
+    def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted) -> None:
+        """The step's outcomes (as `observe`; verified, accepted: lists or arrays), and the probe
+        back-off: the interval doubles while probes keep finding that drafting does not pay, and
+        starts over when one finds it does.
 
         An oracle step teaches nothing: it verified the drafts that match the reference, chosen
         by their outcome, so nearly every one it verified was accepted. In the benchmark, where
@@ -248,32 +256,37 @@ class SpecPolicy:
         return held
 
     # ------------------------------------------------------------------ calibration
-    def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
-                rule=None, counted: tuple | None = None, drafted: tuple | None = None) -> None:
+    def observe(self, top_prob: np.ndarray, margin: np.ndarray, verified, accepted, rule=None,
+                counted: tuple | None = None, drafted: tuple | None = None) -> None:
         """Validation outcomes (top_prob, margin: (n, m) of the drafts made, of which the first
-        max(verified) columns are read, at the calibration batch; rule: what the keep rule
-        chose, None where it did not decide; counted: the (verified, accepted) the draft yields
-        count, when not these; drafted: the step's (max_keep, drafts made), which they count
-        with them, given with rule).
+        max(verified) columns are read, at the calibration batch; verified, accepted: (n,)
+        lists or arrays; rule: what the keep rule chose, None where it did not decide; counted:
+        the (verified, accepted) the draft yields count, when not these; drafted: the step's
+        (max_keep, drafts made), which they count with them, given with rule).
         They reach the calibrators in batches of at least OBSERVE_EVERY steps and
         OBSERVE_ROWS sequence-steps (at most OBSERVE_MAX steps): one fixed cost per batch
-        instead of per step (at batch 1 a batch costs about 0.5 ms in the engine), and the
-        same batches on every rank."""
-        width = 0  # the drafts some sequence verified
-        if top_prob.shape[1]:
-            width = max(verified.tolist(), default=0) if len(verified) <= SMALL else int(verified.max(initial=0))
+        instead of per step (at batch 1 a batch costs about 1.5 ms in the engine), and the
+        same batches on every rank. The draft yields' counts wait for the batch too: counted
+        per step, they cost batch 1 about 6 us a step (cold caches between forward passes)."""
+        # the drafts some sequence verified (never more than it drafted)
+        if isinstance(verified, list):
+            width = verified[0] if len(verified) == 1 else max(verified, default=0)
+        else:
+            width = int(verified.max(initial=0))
         if width:
             self._pending.append((top_prob, margin, verified, accepted, rule, width))
             self._pending_rows += len(verified)
         if rule is not None:  # what the step verified (the rule's choice and exploration's) and got accepted
-            verified, accepted = counted if counted is not None else (verified, accepted)
-            self.yields.count(len(verified), *drafted, verified, accepted)
+            self._counts.append((drafted, verified, accepted) if counted is None else (drafted, *counted))
         self._observed += 1
         if (self.cold and width) or self._observed >= OBSERVE_MAX or \
                 (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
             self._flush()
 
     def _flush(self) -> None:
+        for (max_keep, m), verified, accepted in self._counts:
+            self.yields.count(len(verified), max_keep, m, verified, accepted)
+        self._counts = []
         self.yields.fold()
         if not self._pending:
             self._observed = self._pending_rows = 0
@@ -286,8 +299,7 @@ class SpecPolicy:
         pending = every(self._pending, r, self._batches % r) if r > 1 else self._pending
         self._batches += 1
         top, margin, weights = stacked(pending)
-        verified = np.concatenate([p[2] for p in pending])
-        accepted = np.concatenate([p[3] for p in pending])
+        verified, accepted = joined([p[2] for p in pending]), joined([p[3] for p in pending])
         steps = len(self._pending)  # steps that verified something: the evidence fades once per such step
         self._pending, self._observed, self._pending_rows = [], 0, 0
         self.calibrator.update(top, verified, accepted, repeat=r)

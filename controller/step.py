@@ -29,18 +29,21 @@ class SpecStep:
     on every position since they last drafted, for drafts nobody verifies); None: every one."""
 
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
-    __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "explore", "rows",
-                 "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_one", "_watched", "_many", "one_row_ok",
-                 "max_keep", "max_keep_list", "kmax", "best_m", "budget")
+    __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
+                 "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_one", "_watched", "_many",
+                 "one_row_ok", "_caps", "max_keep_list", "kmax", "best_m", "budget")
 
-    def __init__(self, policy, mode: str, probe: bool, kv: np.ndarray, max_keep: np.ndarray, model: TimeModel,
+    def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False):
-        self.policy, self.mode, self.probe, self.kv, self.model, self.oracle = policy, mode, probe, kv, model, oracle
+        self.policy, self.mode, self.probe, self.model, self.oracle = policy, mode, probe, model, oracle
         self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         n = len(kv)
-        self.kv_list = kv.tolist() if n <= SMALL else None  # small batches: Python ints
-        first = -policy.adaptive_steps % EXPLORE_EVERY
-        self.explore = list(range(first, n, EXPLORE_EVERY))  # rows that verify everything drafted (adaptive)
+        if n <= SMALL:  # small batches: Python ints
+            self.kv = self.kv_list = kv if isinstance(kv, list) else kv.tolist()
+        else:
+            self.kv, self.kv_list = np.asarray(kv, dtype=np.int64), None
+        self._first = first = -policy.adaptive_steps % EXPLORE_EVERY  # exploration's first row (`explore`)
+        self._explore: list[int] | None = None
         self.rows: list[int] | None = None
         self.costs: StepCosts | None = None  # adaptive steps: the decision's time terms, on first use
         self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
@@ -52,27 +55,44 @@ class SpecStep:
         self._watched = False  # ... which reads the draft loop's buffers itself (early_stop)
         self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads them too
         # an adaptive batch-1 step on the logistic estimate: its OneRow decides
-        self.one_row_ok = n == 1 and mode == "adaptive" and policy.cfg.adaptive.estimator == "top_prob_logistic"
+        self.one_row_ok = n == 1 and mode == "adaptive" and policy.logistic_estimates
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
         if mode == "adaptive" and probe and self.best_m == 0 and self.budget:  # a stand-down probe
-            self.rows = self.explore if self.explore else [first % n]
-            self.explore = self.rows
-            caps = np.zeros_like(max_keep)
-            caps[self.rows] = max_keep[self.rows]
+            self.rows = self._explore = self.explore if self.explore else [first % n]
+            caps = np.zeros_like(self.max_keep)
+            caps[self.rows] = self.max_keep[self.rows]
             self._set_caps(caps)
             self._hg = None  # h(n) and g(n) of the rows that draft
             if not self.kmax:
                 self.budget, self.rows = 0, None
 
-    def _set_caps(self, max_keep: np.ndarray) -> None:
-        self.max_keep = max_keep  # (n,) drafts each sequence may verify
+    def _set_caps(self, max_keep) -> None:
+        """max_keep: (n,) drafts each sequence may verify, a list or an array. Small batches
+        keep it as a list (max_keep_list); the array (`max_keep`) is made on first use."""
         if len(max_keep) <= SMALL:  # small batches: Python ints
-            self.max_keep_list = max_keep.tolist()
+            self.max_keep_list = max_keep if isinstance(max_keep, list) else max_keep.tolist()
+            self._caps = max_keep if isinstance(max_keep, np.ndarray) else None
             self.kmax = self.max_keep_list[0] if len(max_keep) == 1 else max(self.max_keep_list, default=0)
         else:
-            self.max_keep_list, self.kmax = None, int(max_keep.max(initial=0))
+            self._caps = np.asarray(max_keep, dtype=np.int64)
+            self.max_keep_list, self.kmax = None, int(self._caps.max(initial=0))
+
+    @property
+    def explore(self) -> list[int]:
+        """Rows that verify everything drafted (adaptive steps): every EXPLORE_EVERY-th from a
+        first row that rotates with the steps; made on first use (most steps never ask)."""
+        if self._explore is None:
+            self._explore = list(range(self._first, len(self.kv), EXPLORE_EVERY))
+        return self._explore
+
+    @property
+    def max_keep(self) -> np.ndarray:
+        """(n,) drafts each sequence may verify, as an array."""
+        if self._caps is None:
+            self._caps = np.array(self.max_keep_list, dtype=np.int64)
+        return self._caps
 
     # ------------------------------------------------------------------ budget
     def _budget(self, k: int) -> int:
@@ -100,7 +120,7 @@ class SpecStep:
             return min(k, best_m + 1)
         # one position of headroom: the early stop, which sees each step's drafts, decides on it
         # (at batch 1 the budget alone stopped at 2 of 3 drafts static-3 verifies to its gain)
-        return min(k, best_m + 1) if best_m and policy.cfg.adaptive.early_stop else best_m
+        return min(k, best_m + 1) if best_m and policy.early_stop_on else best_m
 
     # ------------------------------------------------------------------ early stop
     def keep_drafting(self, top_prob: np.ndarray, margin: np.ndarray, tokens: np.ndarray) -> bool:
@@ -112,7 +132,7 @@ class SpecStep:
         j = top_prob.shape[1]
         if self.mode == "oracle":
             return bool((self._oracle_match(np.asarray(tokens)) >= j).any())
-        if self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop:
+        if self.mode != "adaptive" or self.probe or not self.policy.early_stop_on:
             return True
         # draft times are predicted, never measured: the same on every rank
         if self.one_row_ok:
@@ -132,11 +152,11 @@ class SpecStep:
         us a step at batch 1). Batch 1 on the logistic estimate: its OneRow's next_at, which
         reads row j - 1 itself, so the question between two draft forwards is one call
         (compiled, where the kernels load)."""
-        if self.mode != "oracle" and (self.mode != "adaptive" or self.probe or not self.policy.cfg.adaptive.early_stop):
+        if self.mode != "oracle" and (self.mode != "adaptive" or self.probe or not self.policy.early_stop_on):
             return None
         # from here: an oracle step, or an adaptive one that may stop early
         if self.one_row_ok:
-            one = self._one_row()
+            one = self._one if self._one is not None else self._one_row()
             one.watch(top_prob, margin)
             self._watched = True
             return one.next_at
@@ -170,15 +190,18 @@ class SpecStep:
     # ------------------------------------------------------------------ keep
     def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
              tokens: np.ndarray | None) -> np.ndarray:
-        """(n,) drafts each sequence validates; top_prob, token_prob, margin, tokens: (n, m)."""
+        """The drafts each sequence validates, a list of n ints; top_prob, token_prob, margin,
+        tokens: (n, m)."""
         n, m = top_prob.shape
         if self.mode == "oracle":
-            return np.minimum(np.minimum(self._oracle_match(tokens), self.max_keep), m)
+            return np.minimum(np.minimum(self._oracle_match(tokens), self.max_keep), m).tolist()
         if self.mode == "static" or m == 0:
-            return np.minimum(self.max_keep, m)
+            if self.max_keep_list is not None:
+                return [c if c < m else m for c in self.max_keep_list]
+            return np.minimum(self.max_keep, m).tolist()
         policy = self.policy
         if self.one_row_ok:
-            one = self._one_row()
+            one = self._one if self._one is not None else self._one_row()
             if self._watched:  # the last draft's estimate read from the draft loop's buffers, in the same call
                 count = one.keep_at(m)
             else:  # a probe's drafts (no early stop)
@@ -186,13 +209,15 @@ class SpecStep:
                     one.add_logistic(float(top_prob[0, j]), float(margin[0, j]))
                 count = one.keep(m)
             self.rule_keep, self.drafted = [count], (self.max_keep_list, m)
-            return np.array([min(self.max_keep_list[0], m) if self.explore else count])
+            # (batch 1 explores when the rotation starts at its row: explore is [0] or [])
+            explored = self._first == 0 if self._explore is None else self._explore
+            return [min(self.max_keep_list[0], m) if explored else count]
         if self._many is not None:  # a large batch's ManyRows: the estimates it made for the early stop, reused
             keep = self.rule_keep = self._many.keep_at(m)
             self.drafted = (self.max_keep, m)
             out = keep.copy()
             out[self.explore] = np.minimum(self.max_keep[self.explore], m)
-            return out
+            return out.tolist()
         by_token = policy.cfg.adaptive.estimator == "token_prob"
         if by_token:
             conf = token_prob
@@ -210,7 +235,7 @@ class SpecStep:
             out = list(keep)
             for i in self.explore:
                 out[i] = min(self.max_keep_list[i], m)
-            return np.array(out)
+            return out
         if by_token:
             keep = decide_with(conf, self._costs(), policy.cfg.adaptive.min_gain, draft_ms, self.max_keep)
         else:  # the early stop's path probabilities, quantised once per position
@@ -219,7 +244,7 @@ class SpecStep:
         self.rule_keep, self.drafted = keep, (self.max_keep, m)
         out = keep.copy()
         out[self.explore] = np.minimum(self.max_keep[self.explore], m)
-        return out
+        return out.tolist()
 
     # ------------------------------------------------------------------ helpers
     def _one_row(self):

@@ -28,10 +28,10 @@ class DraftYields:
         # batch, where counting each step cost batch 1 about 10 us a step.
         self._steps: list[tuple] = []
 
-    def count(self, max_keep, m: int, verified: np.ndarray, accepted: np.ndarray) -> None:
-        """A step's drafts and outcomes: sequence i drafted min(m, max_keep[i]) it could verify
-        (max_keep a list or an array), verified[i] of them, and accepted[i] of those (arrays,
-        held until the fold)."""
+    def count(self, max_keep, m: int, verified, accepted) -> None:
+        """A step's drafts and outcomes: sequence i drafted min(m, max_keep[i]) it could verify,
+        verified[i] of them, and accepted[i] of those (each a list or an array, held until the
+        fold)."""
         self._steps.append((max_keep, m, verified, accepted))
 
     def pending(self) -> list[list[int]]:
@@ -43,8 +43,8 @@ class DraftYields:
                 values.extend([v if v < m else m for v in max_keep])
             else:
                 arrays.append(np.minimum(max_keep, m))
-        return [_at_least(values, arrays), _at_least([], [s[2] for s in self._steps]),
-                _at_least([], [s[3] for s in self._steps])]
+        return [_at_least(values, arrays), _at_least(*_split([s[2] for s in self._steps])),
+                _at_least(*_split([s[3] for s in self._steps]))]
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
@@ -108,6 +108,18 @@ class YieldsByBatch:
         """DraftYields.shares of the bucket of steps of n sequences."""
         yields = self.buckets.get(batch_bucket(n))
         return (yields if yields is not None else DraftYields(self.k)).shares(prior_rates)
+
+
+def _split(parts: list) -> tuple[list[int], list[np.ndarray]]:
+    """Per-step values (lists or arrays) -> (the lists' values end to end, the arrays)."""
+    values: list[int] = []
+    arrays = []
+    for p in parts:
+        if isinstance(p, list):
+            values.extend(p)
+        else:
+            arrays.append(p)
+    return values, arrays
 
 
 def _at_least(values: list[int], arrays: list[np.ndarray]) -> list[int]:

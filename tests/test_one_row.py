@@ -272,7 +272,7 @@ def test_a_batch_decides_the_same_compiled_and_not(ops, dtype, b2, n):
                 answers.append(more is None or more(m))  # None: a probe drafts its whole budget
                 if not answers[-1]:
                     break
-            keep = step.keep(top[:m].T, top[:m].T, margin[:m].T, np.zeros((n, m), dtype=np.int64))
+            keep = np.array(step.keep(top[:m].T, top[:m].T, margin[:m].T, np.zeros((n, m), dtype=np.int64)))
             policy.end_step(step, top[:m].T, margin[:m].T, keep, np.minimum(keep, accepted))
             seen.append((step.budget, answers, keep.tolist()))
             many += step._many is not None

@@ -187,7 +187,7 @@ def test_a_cold_start_at_batch_1_learns_that_drafting_pays_within_its_first_step
             cold_probes.append(step.probe)
         m = step.budget
         top, margin = np.full((1, m), 0.5), np.full((1, m), 0.3)
-        keep = step.keep(top, top, margin, None) if m else np.zeros(1, dtype=np.int64)
+        keep = np.array(step.keep(top, top, margin, None)) if m else np.zeros(1, dtype=np.int64)
         accepted = 0
         while accepted < keep[0] and rng.random() < 0.8:
             accepted += 1
@@ -212,7 +212,7 @@ def test_cold_probes_do_not_back_off_the_probe_schedule():
         assert step.probe and step.best_m == 0
         m = step.budget
         top, margin = np.full((1, m), 0.5), np.full((1, m), 0.3)
-        keep = step.keep(top, top, margin, None)
+        keep = np.array(step.keep(top, top, margin, None))
         accepted = int(keep[0] > 0 and rng.random() < 0.2)
         policy.end_step(step, top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.array([accepted]))
         cold_steps += 1
@@ -264,12 +264,34 @@ def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
     assert step.rows == rows and len(rows) == 2
     assert step.max_keep.tolist() == [4 if i in rows else 0 for i in range(n)]
     top, margin = np.full((n, 1), 0.001), np.full((n, 1), 0.0005)  # hopeless: the rule keeps none
-    keep = step.keep(top, top, margin, None)
+    keep = np.array(step.keep(top, top, margin, None))
     assert keep.tolist() == [1 if i in rows else 0 for i in range(n)] and sum(step.rule_keep) == 0
     policy.end_step(step, top, margin, keep, keep)
-    drafted, verified, accepted = policy.yields.of(n).pending()
-    assert drafted == [2] and sum(verified) == sum(accepted) == 0  # (exploration verified and got both)
+    policy._flush()  # the draft yields count a step's drafts at the calibration batch
+    yields = policy.yields.of(n)
+    assert yields.drafted.tolist() == [2, 0, 0, 0] and yields.verified.sum() == yields.accepted.sum() == 0
+    # (exploration verified and got both)
     assert policy.probe_every == 2 * PROBE_EVERY  # and the probes back off
+
+
+def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it():
+    """At batch 1 (its OneRow decides) exploration falls on the one sequence every
+    EXPLORE_EVERY-th adaptive step: that step verifies every draft made, whatever the rule
+    chose; the others verify the rule's choice (none, for hopeless drafts)."""
+    policy = _policy()
+    _teach(policy, 0.02)
+    policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))
+    top, margin = np.full((1, 3), 0.001), np.full((1, 3), 0.0005)
+    verified = []
+    for _ in range(2 * EXPLORE_EVERY):
+        step = policy.begin_step("adaptive", [100], [4], 1, 4)
+        assert step.one_row_ok
+        keep = step.keep(top, top, margin, None)
+        explored = -policy.adaptive_steps % EXPLORE_EVERY == 0
+        assert step.rule_keep == [0] and keep == ([3] if explored else [0])
+        verified.append(keep[0])
+        policy.end_step(step, top, margin, keep, [0])
+    assert verified.count(3) == 2
 
 
 def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k: int) -> int:

@@ -29,7 +29,7 @@ def _run(unsure_rate: float, steps: int = 600) -> SpecPolicy:
     margin = np.array([[CONFIDENT[1]]] + [[UNSURE[1]]] * (N - 1))
     for _ in range(steps):
         step = policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version, 1)
-        keep = step.keep(top, top, margin, None)
+        keep = np.array(step.keep(top, top, margin, None))
         right = np.concatenate([[1], rng.random(N - 1) < unsure_rate]).astype(np.int64)
         policy.end_step(step, top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.minimum(keep, right))
     return policy
@@ -46,8 +46,8 @@ def test_the_budget_expects_what_drafting_brought_not_what_verified_drafts_did()
     assert abs(verified[0] - (1 / N + explored)) < 0.03 and abs(accepted[0] - (1 / N + 0.1 * explored)) < 0.03
     step = policy.begin_step("adaptive", np.full(N, 100), np.ones(N, dtype=np.int64), MODEL.version, 1)
     assert step.budget == 0
-    assert step.keep(np.array([[UNSURE[0]]] * N), np.array([[UNSURE[0]]] * N), np.array([[UNSURE[1]]] * N),
-                       None).sum() == len(range(-policy.adaptive_steps % EXPLORE_EVERY, N, EXPLORE_EVERY))
+    assert sum(step.keep(np.array([[UNSURE[0]]] * N), np.array([[UNSURE[0]]] * N), np.array([[UNSURE[1]]] * N),
+                         None)) == len(range(-policy.adaptive_steps % EXPLORE_EVERY, N, EXPLORE_EVERY))
 
 
 def test_exploration_teaches_the_estimate_about_drafts_the_rule_passes_over():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from controller.decision import SMALL
 from controller.policy import SpecPolicy
 
 from models.attention import AttnBatch
@@ -147,9 +148,10 @@ class ModelRunner:
         seqs = [self.seqs[p.seq_id] for p in plan.seqs]
         for s, p in zip(seqs, plan.seqs):
             s.block_table = p.block_table
-        kv = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        max_keep = np.array([p.num_spec for p in plan.seqs], dtype=np.int64)
-        k = int(max_keep.max()) if self.proposer is not None else 0
+        # lists, not arrays: at small batches a numpy call costs several microseconds here (cold caches)
+        kv = [s.num_computed for s in seqs]
+        max_keep = [p.num_spec for p in plan.seqs]
+        k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
         step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k))
         t1 = time.perf_counter()
@@ -158,14 +160,14 @@ class ModelRunner:
             return self._decode_plain(plan, seqs, kv, step, stats)
         draft = self._draft(seqs, [p.sampling for p in plan.seqs], step, plan.trace)
         t2 = time.perf_counter()
-        keep = step.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens.numpy())  # (n,) numpy
+        keep = step.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens.numpy())  # (n,) list
         t3 = time.perf_counter()
         stats.draft_ms = (t2 - t1) * 1e3 - draft.control_ms  # the draft forwards, without the early stop
         stats.control_ms = (t1 - t0 + t3 - t2) * 1e3 + draft.control_ms
         stats.draft_control_ms = (t3 - t2) * 1e3 + draft.control_ms
         t1 = t3
-        lens = (keep + 1).tolist()
-        batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
+        lens = [c + 1 for c in keep]
+        batch = AttnBatch.build(kv, lens, [s.block_table for s in seqs], self.block_size,
                                 self.device)
         drafted = draft.tokens.tolist()  # (n, m) as lists: per-sequence work below stays in Python, not torch
         ids = torch.tensor([t for s, d, n in zip(seqs, drafted, lens) for t in [s.tokens[-1]] + d[:n - 1]],
@@ -175,41 +177,40 @@ class ModelRunner:
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps, stats.catchup_tokens = len(ids), draft.steps, draft.catchup_tokens
         stats.draft_seqs = (len(seqs) if draft.rows is None else len(draft.rows)) if draft.steps else 0
-        stats.kv_tokens = sum(q * c for q, c in zip(lens, kv.tolist()))
+        stats.kv_tokens = sum(q * c for q, c in zip(lens, kv))
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
         t0 = time.perf_counter()
-        accepted = np.array([o.accepted for o in outputs], dtype=np.int64)
+        accepted = [o.accepted for o in outputs]
         self.policy.end_step(step, draft.top_prob, draft.margin, keep, accepted)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
-            stats.trace = StepTrace(kv.tolist(), step.max_keep.tolist(), _rounded(draft.top_prob),
-                                    _rounded(draft.margin), _rounded(draft.entropy), keep.tolist(),
-                                    accepted.tolist(), step.probe)
+            stats.trace = StepTrace(kv, step.max_keep.tolist(), _rounded(draft.top_prob), _rounded(draft.margin),
+                                    _rounded(draft.entropy), keep, accepted, step.probe)
         return outputs
 
-    def _decode_plain(self, plan: StepPlan, seqs: list[SeqState], kv: np.ndarray, step, stats: StepStats):
+    def _decode_plain(self, plan: StepPlan, seqs: list[SeqState], kv: list[int], step, stats: StepStats):
         """A step that drafts nothing (plain decoding, or adaptive standing down): one token per
         sequence, with none of the draft block's arrays (what `_decode` would do with an empty
         draft, about 20 us less a step at batch 1)."""
         n = len(seqs)
         t1 = time.perf_counter()
-        batch = AttnBatch.build(kv.tolist(), [1] * n, [s.block_table for s in seqs], self.block_size, self.device)
+        batch = AttnBatch.build(kv, [1] * n, [s.block_table for s in seqs], self.block_size, self.device)
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
         hidden = self.target(ids, batch, self.cache)
         logits = self.target.logits(hidden).cpu()
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
-        stats.num_tokens, stats.kv_tokens = n, int(kv.sum())
+        stats.num_tokens, stats.kv_tokens = n, sum(kv)
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         none = np.zeros((n, 0))
         draft = DraftBlock(torch.zeros(n, 0, dtype=torch.long), none, none, 0, {}, none, none)
-        keep = np.zeros(n, dtype=np.int64)
+        keep = [0] * n
         outputs = self._accept(plan, seqs, draft, [[]] * n, keep, [1] * n, hidden, logits, stats)
         t0 = time.perf_counter()
         self.policy.end_step(step, none, none, keep, keep)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
-            stats.trace = StepTrace(kv.tolist(), step.max_keep.tolist(), [[]] * n, [[]] * n, [[]] * n, keep.tolist(),
+            stats.trace = StepTrace(kv, step.max_keep.tolist(), [[]] * n, [[]] * n, [[]] * n, keep,
                                     [0] * n, step.probe)
         return outputs
 
@@ -279,7 +280,7 @@ class ModelRunner:
                           run.catchup_tokens)
 
     def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats) -> list[SeqOutput]:
-        """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts; lens: keep + 1,
+        """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts (a list); lens: keep + 1,
         the rows of `logits` (T, V) each sequence owns, in order."""
         target = argmax_rows(logits)  # the target's choice after each validated token
         accepted, emitted, row = [], [], 0
@@ -299,9 +300,8 @@ class ModelRunner:
                 accepted.append(a)
                 emitted.append(out)
             row += lens[i]
-        acc = np.asarray(accepted, dtype=np.int64)
-        stats.accepted_per_position = [int((acc > j).sum()) for j in range(draft.steps)]
-        stats.verified_per_position = [int((keep > j).sum()) for j in range(draft.steps)]
+        stats.accepted_per_position = _above(accepted, draft.steps)
+        stats.verified_per_position = _above(keep, draft.steps)
         outputs = []
         row = 0
         for i, (s, p, a, new, verified) in enumerate(zip(seqs, plan.seqs, accepted, emitted, lens)):
@@ -315,6 +315,15 @@ class ModelRunner:
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps_of(i)), verified=verified - 1,
                                      accepted=a))
         return outputs
+
+
+def _above(values: list[int], m: int) -> list[int]:
+    """[how many of values exceed j, for j < m]: in Python for small batches (a numpy call
+    costs microseconds between forward passes), by one histogram for large ones."""
+    if len(values) <= SMALL:
+        return [sum(v > j for v in values) for j in range(m)]
+    counts = np.bincount(np.minimum(values, m), minlength=m + 1)
+    return (len(values) - np.cumsum(counts)[:-1]).tolist()
 
 
 def _rounded(a: np.ndarray) -> list[list[float]]:

@@ -159,8 +159,9 @@ class Run:
         kk = int(max_keep.max(initial=0))
         tokens = np.zeros((n, kk), dtype=np.int64)  # oracle: a draft matches the reference while accepted
         oracle = np.where(np.arange(kk)[None, :] < true_acc[:, None], 0, 1) if mode == "oracle" else None
+        kv_list, caps = ctx_kv.tolist(), max_keep.tolist()  # lists, as the engine's runner hands them
         t0 = time.perf_counter()
-        step = policy.begin_step(mode, ctx_kv, max_keep, self.version, kk, oracle)
+        step = policy.begin_step(mode, kv_list, caps, self.version, kk, oracle)
         # the draft loop's (budget, n) float64 buffers, a row per position, which the early stop reads as
         # in the engine (workers/runner.py; their making is the draft's time there, not the controller's)
         t1 = time.perf_counter()
@@ -177,11 +178,12 @@ class Run:
             stops += 1
             if more is not None and not more(m):
                 break
-        keep = step.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
-        accepted = np.minimum(keep, true_acc)
-        width = int(keep.max(initial=0))
-        policy.end_step(step, top[:, :width], margin[:, :width], keep, accepted)
+        kept = step.keep(top[:, :m], top[:, :m], margin[:, :m], tokens[:, :m])
+        accepted = [min(c, a) for c, a in zip(kept, true_acc.tolist())]
+        width = max(kept, default=0)
+        policy.end_step(step, top[:, :width], margin[:, :width], kept, accepted)
         measured = (time.perf_counter() - t0) * 1e3
+        keep, accepted = np.array(kept, dtype=np.int64), np.array(accepted, dtype=np.int64)
         control = measured if control_time else 0.0
         profiled = cost.control_ms(self.arm.policy, n) if control_time else None
         control = control if profiled is None else profiled  # as measured in the engine, where the cost model has it
