@@ -46,7 +46,7 @@ class SpecPolicy:
         # read at every step: held here, one attribute away (each lookup costs batch 1 time, caches cold)
         self.early_stop_on = cfg.adaptive.early_stop
         self.logistic_estimates = cfg.adaptive.estimator == "top_prob_logistic"
-        self._one_row: tuple | None = None  # batch 1: (time model, extra, weights, rates, its OneRow)
+        self._one_row: tuple | None = None  # batch 1: (time model, extra, its OneRow)
         self._compiled_weights: tuple | None = None  # (logistic weights, as the kernels take them)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
@@ -160,16 +160,17 @@ class SpecPolicy:
     def one_row(self, tm: TimeModel, extra: int):
         """Batch 1's OneRow (controller/one_row.py), deciding on the logistic estimate, for steps
         that may decide on `extra` drafts; each step starts it with `begin`, which also answers
-        the draft budget. It is kept across steps and rebuilt only when the time model, the
-        logistic weights or the rates change (a calibration batch) or a step may decide on more
-        drafts than it was built for: the compiled one's per-step cost is a call. It is built
+        the draft budget. It is kept across steps and rebuilt only when the time model changes,
+        a calibration batch moves the logistic weights and the rates (`_set_rates` drops it),
+        or a step may decide on more drafts than it was built for: the compiled one's per-step
+        cost is a call. It is built
         for at least the policy's k, as its terms for m drafts do not depend on how many more
         it holds and a step's cap bounds what it decides on: the last steps of a sequence, which
         may verify fewer drafts (max_tokens is near), had rebuilt it at 14% of batch 1's
         adaptive steps, about 18 us a step on average."""
-        weights, rates = self.logistic.weights, self.next_rates
         held = self._one_row
-        if held is None or held[0] is not tm or held[1] < extra or held[2] is not weights or held[3] is not rates:
+        if held is None or held[0] is not tm or held[1] < extra:
+            weights, rates = self.logistic.weights, self.next_rates
             extra = max(extra, self.cfg.num_speculative_tokens)
             costs = step_costs(tm, [0], extra, self.f_values(tm, "decide", 1, extra))
             compiled = self.compiled
@@ -179,8 +180,8 @@ class SpecPolicy:
             base = self.budget_terms(tm, 1, 1)[0]
             terms = [[]] + [self.budget_terms(tm, 1, k)[1] for k in range(1, extra + 1)]
             one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS)
-            held = self._one_row = (tm, extra, weights, rates, one)
-        return held[4]
+            held = self._one_row = (tm, extra, one)
+        return held[2]
 
     def compiled_weights(self):
         """The logistic weights as the kernels take them (LogisticWeights), converted once per
@@ -284,8 +285,7 @@ class SpecPolicy:
             self._flush()
 
     def _flush(self) -> None:
-        for (max_keep, m), verified, accepted in self._counts:
-            self.yields.count(len(verified), max_keep, m, verified, accepted)
+        self.yields.count_steps(self._counts)
         self._counts = []
         self.yields.fold()
         if not self._pending:
@@ -314,3 +314,4 @@ class SpecPolicy:
         self._shares = {}  # the budget's, per batch-size bucket (shares)
         self._budget_cache = {}  # its terms follow the shares
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
+        self._one_row = None  # batch 1's OneRow holds the rates and the logistic weights: rebuilt on next use

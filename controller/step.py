@@ -47,7 +47,7 @@ class SpecStep:
         self.rows: list[int] | None = None
         self.costs: StepCosts | None = None  # adaptive steps: the decision's time terms, on first use
         self.rule_keep = None  # adaptive steps: what the keep rule chose (before exploration)
-        self.drafted = None  # ... and (max_keep, drafts made): what the draft yields count at the step's end
+        self.drafted = None  # ... and (max_keep, drafts made): what the draft yields count (at the calibration batch)
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
         self._hg: tuple | None = None  # the time model's h(n) and g(n), asked once per step
