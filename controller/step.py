@@ -189,7 +189,7 @@ class SpecStep:
 
     # ------------------------------------------------------------------ keep
     def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray,
-             tokens: np.ndarray | None) -> np.ndarray:
+             tokens: np.ndarray | None) -> list[int]:
         """The drafts each sequence validates, a list of n ints; top_prob, token_prob, margin,
         tokens: (n, m)."""
         n, m = top_prob.shape
