@@ -41,15 +41,8 @@ def stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     col = np.arange(width)[None, :]
     inside = col < np.repeat(np.asarray(widths), counts)[:, None]  # row-major, as each step's ravel
     top, margin, weights = np.zeros((rows, width)), np.ones((rows, width)), np.ones((rows, width))
-    if rows == len(pending):  # one sequence a step (batch 1): every step's row side by side, a call per array
-        made = [p[0].shape[1] for p in pending]
-        starts, ends = np.cumsum(made) - np.asarray(made), np.cumsum(widths)  # of each step's row; of its width
-        take = np.repeat(starts, widths) + np.arange(ends[-1]) - np.repeat(ends - np.asarray(widths), widths)
-        top[inside] = np.concatenate([p[0] for p in pending], axis=1)[0, take]
-        margin[inside] = np.concatenate([p[1] for p in pending], axis=1)[0, take]
-    else:
-        top[inside] = np.concatenate([t[:, :w].ravel() for t, _, _, _, _, w in pending])
-        margin[inside] = np.concatenate([m[:, :w].ravel() for _, m, _, _, _, w in pending])
+    top[inside] = np.concatenate([t[:, :w].ravel() for t, _, _, _, _, w in pending])
+    margin[inside] = np.concatenate([m[:, :w].ravel() for _, m, _, _, _, w in pending])
     weights[inside & (col >= np.asarray(rules, dtype=np.int64)[:, None])] = float(EXPLORE_EVERY)
     return top, margin, weights
 

@@ -124,9 +124,7 @@ class SpecPolicy:
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = learning = False
-        model = self.models.get(version) if version == self.in_use else None  # the usual step: `model`'s fast path
-        if model is None:
-            model = self.model(version)
+        model = self.model(version)
         if mode == "adaptive":
             self.adaptive_steps += 1
             learning = self.cold and k > 0 and self.could_pay(model, len(kv), k)
@@ -270,10 +268,7 @@ class SpecPolicy:
         same batches on every rank. The draft yields' counts wait for the batch too: counted
         per step, they cost batch 1 about 6 us a step (cold caches between forward passes)."""
         # the drafts some sequence verified (never more than it drafted)
-        if isinstance(verified, list):
-            width = verified[0] if len(verified) == 1 else max(verified, default=0)
-        else:
-            width = int(verified.max(initial=0))
+        width = max(verified, default=0) if isinstance(verified, list) else int(verified.max(initial=0))
         if width:
             self._pending.append((top_prob, margin, verified, accepted, rule, width))
             self._pending_rows += len(verified)

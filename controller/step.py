@@ -156,7 +156,7 @@ class SpecStep:
             return None
         # from here: an oracle step, or an adaptive one that may stop early
         if self.one_row_ok:
-            one = self._one if self._one is not None else self._one_row()
+            one = self._one_row()
             one.watch(top_prob, margin)
             self._watched = True
             return one.next_at
@@ -201,7 +201,7 @@ class SpecStep:
             return np.minimum(self.max_keep, m).tolist()
         policy = self.policy
         if self.one_row_ok:
-            one = self._one if self._one is not None else self._one_row()
+            one = self._one_row()
             if self._watched:  # the last draft's estimate read from the draft loop's buffers, in the same call
                 count = one.keep_at(m)
             else:  # a probe's drafts (no early stop)

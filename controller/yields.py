@@ -40,10 +40,7 @@ class DraftYields:
         values, arrays = [], []  # drafts made: small batches' as Python ints, large ones' as arrays
         for max_keep, m, _, _ in self._steps:
             if isinstance(max_keep, list):
-                if len(max_keep) == 1:
-                    values.append(min(max_keep[0], m))
-                else:
-                    values.extend([v if v < m else m for v in max_keep])
+                values.extend([v if v < m else m for v in max_keep])
             else:
                 arrays.append(np.minimum(max_keep, m))
         return [_at_least(values, arrays), _at_least(*_split([s[2] for s in self._steps])),
@@ -101,14 +98,9 @@ class YieldsByBatch:
 
     def count_steps(self, steps: list[tuple]) -> None:
         """Steps' drafts and outcomes (DraftYields.count), each ((max_keep, drafts made),
-        verified, accepted), into the bucket of their batch size, len(verified); consecutive
-        steps of one batch size look their bucket up once."""
-        last_n, yields = -1, None
+        verified, accepted), into the bucket of their batch size, len(verified)."""
         for (max_keep, m), verified, accepted in steps:
-            if len(verified) != last_n:
-                last_n = len(verified)
-                yields = self.of(last_n)
-            yields.count(max_keep, m, verified, accepted)
+            self.of(len(verified)).count(max_keep, m, verified, accepted)
 
     def fold(self) -> None:
         for yields in self.buckets.values():

@@ -136,23 +136,6 @@ def test_a_calibration_batch_lines_up_each_steps_drafts_and_weighs_what_only_exp
     assert weights.tolist() == [[1, e, e], [1, 1, 1], [1, 1, 1], [e, e, 1]]
 
 
-def test_steps_of_one_sequence_stack_as_rows_of_one_each_do():
-    """Batch 1's calibration batch (one row a step, stacked side by side in one call) equals
-    the same rows stacked row by row (the path of any batch with a larger step)."""
-    rng = np.random.default_rng(3)
-    pending = []
-    for _ in range(40):
-        m = int(rng.integers(1, 6))
-        top = rng.random((m, 1)).T  # the draft loop's (m, 1) buffer, transposed as steps hand it
-        rule = None if rng.random() < 0.3 else [int(rng.integers(0, m + 1))]
-        pending.append((top, top / 2, None, None, rule, int(rng.integers(1, m + 1))))
-    got = _stacked(pending)
-    two_rows = (np.zeros((2, 1)), np.ones((2, 1)), None, None, None, 1)  # forces the row-by-row path
-    want = _stacked(pending + [two_rows])
-    for a, b in zip(got, want):  # (the two rows' width, 1, widens nothing)
-        assert np.array_equal(a, b[:-2])
-
-
 def test_draft_budget_follows_acceptance_and_cost():
     cheap_drafts = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
     costly_drafts = TimeModel(version=2, b0=5.0, b1=0.1, d0=50.0, d1=0.0)
