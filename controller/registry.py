@@ -3,9 +3,10 @@
 Pure bookkeeping (the Ray actor around it lives in cluster/profile_actor.py). It keeps the
 startup sweep's points (rescaled to the machine's speed now: `sweep_speed`) plus a window
 of recent online steps, and refits every
-`refit_every` new samples, or sooner when the recent prediction error grows well past
-the error of the last fit (waiting twice as long each time such a refit does not bring the
-error back down). Samples are kept as columns of numbers (`SampleColumns`), so a
+`refit_every` new samples (twice as long after each scheduled refit that changed no
+prediction of the recent steps by SAME_FIT, up to SCHEDULE_MAX times), or sooner when the
+recent prediction error grows well past the error of the last fit (waiting twice as long
+each time such a refit does not bring the error back down). Samples are kept as columns of numbers (`SampleColumns`), so a
 refit reads arrays instead of thousands of objects: with a full window a refit took 4.8 ms
 from the objects (6.7 ms for the table model), 2.2 ms (4.4) from columns. An in-process
 rank pays it inside its step loop, and at batch 1, where the linear model's recent error
@@ -29,6 +30,8 @@ SPEED_WINDOW = 512  # the latest online validate steps that say how fast the mac
 SPEED_MIN_SAMPLES = RECENT  # ... once there are this many of them
 SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
 DRAFT_MIN_SAMPLES = 16  # steady online draft steps that say how much dearer the draft runs in the engine
+SAME_FIT = 0.01  # a scheduled refit whose model predicts the recent steps within this of the last one's ...
+SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,18 @@ class SampleColumns:
             self.append(sample)
 
     def append(self, sample: StepSample) -> None:
-        self._rows[self.count % self.size] = tuple(vars(sample).values())  # fields in order
-        self.count += 1
+        self.extend([sample])
+
+    def extend(self, samples: list[StepSample]) -> None:
+        """The samples in order, in one numpy call (a row at a time cost 2-3 us a sample)."""
+        if not samples:
+            return
+        block = np.array([tuple(vars(s).values()) for s in samples[-self.size:]], dtype=np.float64)  # fields in order
+        at = (self.count + len(samples) - len(block)) % self.size
+        first = min(len(block), self.size - at)
+        self._rows[at:at + first] = block[:first]
+        self._rows[:len(block) - first] = block[first:]
+        self.count += len(samples)
 
     def __len__(self) -> int:
         return min(self.count, self.size)
@@ -110,6 +123,7 @@ class ProfileRegistry:
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
         self.drift_wait = RECENT  # samples a drift refit waits for: doubles while drift refits do not cure it
+        self.schedule = refit_every  # samples a scheduled refit waits for: doubles while refits change nothing
 
     @property
     def online(self) -> list[StepSample]:
@@ -123,15 +137,19 @@ class ProfileRegistry:
 
     def add(self, samples: list[StepSample]) -> TimeModel | None:
         """Record online samples; returns a new model when a refit happened."""
-        for s in samples:
-            if s.q_tokens == 0:
-                continue
-            predicted = self.model.validate_ms_from(s.q_tokens, s.kv_tokens)
+        validated = [s for s in samples if s.q_tokens]
+        model = self.model
+        for s in validated:
+            predicted = model.validate_ms_from(s.q_tokens, s.kv_tokens)
             self.recent_err.append(abs(predicted - s.validate_ms) / max(s.validate_ms, 1e-6))
-            self._online.append(s)
-            self.since_fit += 1
-        if self.since_fit >= self.refit_every:
+        self._online.extend(validated)
+        self.since_fit += len(validated)
+        if self.since_fit >= self.schedule:
+            # a steady machine gives the same fit again and again (2 ms each, in the step loop of an
+            # in-process rank): while refits change nothing, they come half as often
             self.refit()
+            same = _predicts_alike(model, self.model, self._online.rows()[-RECENT:])
+            self.schedule = min(2 * self.schedule, SCHEDULE_MAX * self.refit_every) if same else self.refit_every
             return self.model
         if self.since_fit >= RECENT and len(self.recent_err) == RECENT:
             if not self._drifted():
@@ -141,6 +159,7 @@ class ProfileRegistry:
                 # as high (a regime the model cannot follow) changes little, so wait twice as long
                 self.refit()
                 self.drift_wait = min(2 * self.drift_wait, self.refit_every)
+                self.schedule = self.refit_every
                 return self.model
         return None
 
@@ -267,6 +286,19 @@ class ProfileRegistry:
         data = self._data()
         validated = data[data[:, Q_TOKENS] > 0]
         return {kind: held_out_mape(_features(validated), validated[:, VALIDATE_MS], kind) for kind in KINDS}
+
+
+def _predicts_alike(old: TimeModel, new: TimeModel, rows: np.ndarray) -> bool:
+    """Do the two models predict the validate and draft times of these steps within SAME_FIT
+    of each other (every step, relative)?"""
+    if not len(rows):
+        return False
+    validated = rows[rows[:, Q_TOKENS] > 0]
+    n, steps = _drafting(rows), np.maximum(rows[:, DRAFT_STEPS], 1)
+    pairs = [(old.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS]),
+              new.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS])),
+             (old.draft_ms_at(n, steps), new.draft_ms_at(n, steps))]
+    return all(bool(np.all(np.abs(b - a) <= SAME_FIT * np.maximum(np.abs(a), 1e-6))) for a, b in pairs)
 
 
 def _drafting(rows: np.ndarray) -> np.ndarray:

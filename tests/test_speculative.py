@@ -79,45 +79,75 @@ def test_tp16_matches_tp1(ray_session, sharegpt_prompts, reference):
         engine.shutdown()
 
 
-def test_hidden_pieces_join_to_the_appended_rows():
-    """A sequence's MTP hiddens are kept as pieces of each step's tensor; read back from
-    any position, joined or compacted, they are the rows appended. A compaction copies the
-    pieces since the last one into a tensor of their rows alone (no step's tensor is kept
-    alive past COMPACT_AT pieces) and leaves the earlier copies as they are."""
+def test_hidden_log_gives_back_each_sequence_s_rows():
+    """Three sequences' rows interleaved in each forward's output (some a run of rows, some
+    one): read back from the log at any point, across joins and the dropping of what no
+    sequence holds any more, they are the rows added, and the log holds nothing below the
+    oldest row still held but the part that holds it."""
     import torch
 
-    from workers.proposer import COMPACT_AT, SeqState
+    from workers.hidden_log import JOIN_AT, HiddenLog
 
-    s, rows = SeqState(0, [], []), []
-    s.reset_hidden(5)
-    for step in range(3 * COMPACT_AT + 3):
-        h = torch.randn(4, 3)
-        first, count = step % 3, 1 + step % 2
-        joined_before = [part[0] for part in s.hidden_parts[:s.hidden_joined]]
-        s.add_hidden(h, first, count)
-        rows.append(h[first:first + count])
-        assert len(s.hidden_parts) - s.hidden_joined < COMPACT_AT
-        assert all(a is b for a, b in zip(joined_before, (part[0] for part in s.hidden_parts)))  # not copied again
-        for t, _, n in s.hidden_parts[:s.hidden_joined]:
-            assert t.untyped_storage().nbytes() == n * 3 * t.element_size()  # its own rows, no step's tensor
-        assert torch.equal(s.hidden_from(5), torch.cat(rows))
-    assert s.hidden_joined == 3
-    assert torch.equal(s.hidden_from(9), torch.cat(rows)[4:])
+    log, gen = HiddenLog(), torch.Generator().manual_seed(0)
+    held: dict[int, tuple[list[int], list[torch.Tensor]]] = {i: ([], []) for i in range(3)}
+    for step in range(5 * JOIN_AT + 3):
+        counts = [1 + (step + i) % 3 for i in range(3)]
+        firsts = [0, counts[0] + 1, counts[0] + counts[1] + 2]  # a rejected draft's row between sequences
+        h = torch.randn(firsts[2] + counts[2] + 1, 4, generator=gen)
+        base = log.add(h)
+        for i in range(3):
+            held[i][0].extend(range(base + firsts[i], base + firsts[i] + counts[i]))
+            held[i][1].append(h[firsts[i]:firsts[i] + counts[i]].clone())
+        if step % 7 == 6:  # sequence step % 3 drafts: reads all it holds, then holds nothing
+            rows, tensors = held[step % 3]
+            assert torch.equal(log.gather(rows), torch.cat(tensors))
+            assert torch.equal(log.gather(rows[3:]), torch.cat(tensors)[3:])
+            rows.clear(), tensors.clear()
+        if log.due():
+            oldest = min((r[0][0] for r in held.values() if r[0]), default=log.end)
+            log.join(oldest)
+            assert log.joined == len(log.parts) and log.starts[0] <= oldest
+            assert len(log.parts) == 1 or log.starts[1] > oldest  # nothing below the part holding it
+    for rows, tensors in held.values():
+        if rows:
+            assert torch.equal(log.gather(rows), torch.cat(tensors))
+    log.join(log.end)
+    assert len(log) == 0
 
 
 def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):
-    """Plain decoding for more steps than a sequence holds hidden pieces, then drafting:
-    the MTP catches up on every position since the prompt and the tokens stay the target's."""
-    from workers.proposer import COMPACT_AT
+    """Plain decoding for more steps than the hidden log joins, then drafting: the MTP
+    catches up on every position since the prompt, reading the target's hidden state at
+    each (as one forward over the sequence computes it), and the tokens stay the target's."""
+    import torch
+
+    from models.attention import AttnBatch
+    from workers.hidden_log import JOIN_AT
 
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.method=mtp",
                                       "speculative.num_speculative_tokens=3"))
     try:
+        runner = engine.workers.worker.runner
+        proposer, caught_up = runner.proposer, []
+        begin, gather = proposer.begin, proposer.log.gather
+
+        def first_begin(seqs, block_size):  # the first catch-up's hidden rows, per sequence
+            if caught_up:
+                return begin(seqs, block_size)
+            got = []
+            proposer.log.gather = lambda rows: got.append(gather(rows)) or got[-1]
+            try:
+                return begin(seqs, block_size)
+            finally:
+                proposer.log.gather = gather
+                caught_up.extend((list(s.tokens), h.clone()) for s, h in zip(seqs, got))
+
+        proposer.begin = first_begin
         engine.set_num_speculative_tokens(0)
         for prompt in sharegpt_prompts:
             engine.add_request(prompt, greedy(MAX_TOKENS))
         got: dict[str, list[int]] = {}
-        for step in range(COMPACT_AT + 3):
+        for step in range(JOIN_AT + 3):  # the prompt, then JOIN_AT + 3 steps: a join and the outputs since
             for out in engine.step():
                 got[out.request_id] = out.token_ids
         before = engine.stats.accepted
@@ -127,6 +157,16 @@ def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):
                 got[out.request_id] = out.token_ids
         assert engine.stats.accepted > before  # drafting resumed, and drafts landed
         assert [got[f"req-{i}"] for i in range(len(sharegpt_prompts))] == reference
+        assert len(caught_up) == len(sharegpt_prompts)
+        for tokens, hidden in caught_up:
+            n = len(tokens) - 1  # every computed position, each paired with the token after it
+            assert len(hidden) == n > JOIN_AT
+            blocks = -(-n // runner.block_size)
+            cache = runner.target.new_kv_cache(blocks, runner.block_size)
+            batch = AttnBatch.build([0], [n], [list(range(blocks))], runner.block_size, runner.device)
+            with torch.inference_mode():
+                expected = runner.target(torch.tensor(tokens[:n]), batch, cache)
+            torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
     finally:
         engine.shutdown()
 

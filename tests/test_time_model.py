@@ -5,7 +5,8 @@ import dataclasses
 
 import numpy as np
 
-from controller.registry import RECENT, STEADY_CATCHUP, WINDOW, ProfileRegistry, SampleColumns, StepSample
+from controller.registry import (RECENT, SCHEDULE_MAX, STEADY_CATCHUP, WINDOW, ProfileRegistry, SampleColumns,
+                               StepSample)
 from controller.time_model import TimeModel, fit
 
 
@@ -60,6 +61,43 @@ def test_sample_columns_keep_the_last_window_in_order():
         ring.append(s)
     assert len(ring) == 5 and ring.samples() == data[3:]
     assert SampleColumns(data[:2], size=5).samples() == data[:2] and SampleColumns().samples() == []
+
+
+def test_sample_columns_extend_as_appended_one_by_one():
+    """Blocks of any size, around the ring's end and longer than it, hold what the samples
+    appended one at a time would."""
+    rng = np.random.default_rng(8)
+    data = _samples(rng, 60)
+    ring, one = SampleColumns(size=7), SampleColumns(size=7)
+    at = 0
+    for size in (3, 5, 0, 9, 1, 7, 14, 2, 6, 13):
+        ring.extend(data[at:at + size])
+        for s in data[at:at + size]:
+            one.append(s)
+        at += size
+        assert ring.count == one.count == at and ring.samples() == one.samples() == data[max(0, at - 7):at]
+
+
+def test_scheduled_refits_back_off_while_they_change_nothing():
+    """On a steady machine each scheduled refit gives the model it replaces (2 ms each, in
+    an in-process rank's step loop): the wait doubles, up to SCHEDULE_MAX times refit_every.
+    A change of regime brings a drift refit at once and the schedule back to refit_every."""
+    rng = np.random.default_rng(9)
+    reg = ProfileRegistry(refit_every=64, initial=TimeModel(version=1))
+    reg.seed(_samples(rng, 200))
+    refits, seen = [], 0
+    for s in _samples(rng, 6000):
+        seen += 1
+        if reg.add([s]) is not None:
+            refits.append(seen)
+            if refits[-4:] == [seen - j * SCHEDULE_MAX * 64 for j in (3, 2, 1, 0)]:
+                break  # the last three gaps at the cap
+    gaps = np.diff([0] + refits).tolist()
+    assert gaps[-3:] == [SCHEDULE_MAX * 64] * 3, gaps
+    assert all(b in (a, 2 * a) for a, b in zip(gaps, gaps[1:])), gaps  # only ever doubling on a steady machine
+    slow = _samples(rng, 4 * RECENT, b=(20.0, 0.5, 1e-3))
+    first = next(i for i, s in enumerate(slow, 1) if reg.add([s]) is not None)
+    assert first == RECENT and reg.schedule == 64
 
 
 def test_refit_reads_the_columns_as_the_samples_say():

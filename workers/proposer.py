@@ -19,9 +19,7 @@ from models.decoder import CausalLM
 from models.deepseek import DeepseekMTPLayer
 from models.mtp import MTPModule
 from models.parallel import ParallelLMHead
-
-
-COMPACT_AT = 16  # hidden pieces a sequence holds before they are joined into one
+from workers.hidden_log import HiddenLog
 
 
 @dataclass
@@ -34,36 +32,14 @@ class SeqState:
     block_table: list[int]
     num_computed: int = 0
     draft_len: int = 0  # proposer cache positions below this are final
-    # MTP: target hiddens of positions hidden_start..num_computed-1, as (tensor, first row, rows) pieces: a
-    # step only notes where its rows lie, and the pieces are joined when the proposer reads them. A piece
-    # keeps its step's whole (T, H) tensor alive, so once COMPACT_AT such pieces have gathered they are
-    # copied into one tensor of this sequence's rows alone: the first hidden_joined pieces are such copies,
-    # never copied again. (Appending to one tensor copied it whole every step: 7 us a sequence at 200
-    # positions, 5% of a batch-32 step; joining all pieces at every compaction copied the whole history
-    # every COMPACT_AT steps: a quarter of add_hidden's time, which was 1.5% of a batch-16 step standing
-    # down at 300-500 positions.)
-    hidden_parts: list = field(default_factory=list)
+    # MTP: where the target hiddens of positions hidden_start..num_computed-1 lie in the proposer's log
+    # (workers/hidden_log.py), one row number per position
+    hidden_rows: list[int] = field(default_factory=list)
     hidden_start: int = 0
-    hidden_joined: int = 0
 
-    def add_hidden(self, h: torch.Tensor, first: int = 0, rows: int | None = None) -> None:
-        """Rows first..first+rows-1 of h (all of them by default) are the next positions' hiddens."""
-        self.hidden_parts.append((h, first, len(h) - first if rows is None else rows))
-        if len(self.hidden_parts) - self.hidden_joined >= COMPACT_AT:
-            recent = self.hidden_parts[self.hidden_joined:]
-            joined = torch.cat([h[first:first + rows] for h, first, rows in recent])
-            self.hidden_parts[self.hidden_joined:] = [(joined, 0, len(joined))]
-            self.hidden_joined += 1
-
-    def hidden_from(self, position: int) -> torch.Tensor:
-        """The target hiddens of positions position..num_computed-1 (position >= hidden_start)."""
-        parts = [h[first:first + rows] for h, first, rows in self.hidden_parts]
-        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return joined[position - self.hidden_start:]
-
-    def reset_hidden(self, start: int, h: torch.Tensor | None = None) -> None:
-        """Hold only the hiddens of positions start.. (h: their rows; none yet by default)."""
-        self.hidden_parts, self.hidden_start, self.hidden_joined = ([] if h is None else [(h, 0, len(h))]), start, 0
+    def reset_hidden(self, start: int) -> None:
+        """Hold the hiddens of positions start.. (none yet)."""
+        self.hidden_rows, self.hidden_start = [], start
 
 
 @dataclass
@@ -93,6 +69,13 @@ class Proposer:
 
     def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
         """After validation: `accepted` of the drafts were accepted, `draft_steps` were drafted."""
+
+    def keep(self, seqs: list[SeqState], hidden: torch.Tensor, firsts: list[int], counts: list[int]) -> None:
+        """A target forward's output (T, H): seqs[i]'s next positions are its rows firsts[i] ..
+        firsts[i] + counts[i] - 1. Only the MTP module reads them."""
+
+    def tidy(self, live) -> None:
+        """live: every sequence on this rank (SeqState); what none of them reads may go."""
 
 
 class DraftModelProposer(Proposer):
@@ -138,6 +121,19 @@ class MTPProposer(Proposer):
         else:
             self.logits = target.logits if head is None else (lambda hidden: head(hidden).float())
         self.cache = mtp.new_kv_cache(num_blocks, block_size)
+        self.log = HiddenLog()
+
+    def keep(self, seqs: list[SeqState], hidden: torch.Tensor, firsts: list[int], counts: list[int]) -> None:
+        base = self.log.add(hidden)
+        for s, first, count in zip(seqs, firsts, counts):
+            if count == 1:
+                s.hidden_rows.append(base + first)
+            else:
+                s.hidden_rows.extend(range(base + first, base + first + count))
+
+    def tidy(self, live) -> None:
+        if self.log.due():
+            self.log.join(min((s.hidden_rows[0] for s in live if s.hidden_rows), default=self.log.end))
 
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
         # pair at position p: (target hidden at p-1, token at p), for p = draft_len .. len(tokens)-1
@@ -146,7 +142,7 @@ class MTPProposer(Proposer):
             start = max(s.draft_len, 1)
             starts.append(start)
             lens.append(len(s.tokens) - start)
-            hid.append(s.hidden_from(start - 1))
+            hid.append(self.log.gather(s.hidden_rows[start - 1 - s.hidden_start:]))
         device = self.mtp.eh_proj.weight.device
         ids = torch.tensor([t for s, a in zip(seqs, starts) for t in s.tokens[a:]], device=device)
         tables = [s.block_table for s in seqs]

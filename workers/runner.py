@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from itertools import accumulate
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from controller.policy import SpecPolicy
 from models.attention import AttnBatch
 from models.decoder import CausalLM
 from workers.plan import ForkPlan, SamplingParams, SeqOutput, StepPlan, StepResult, StepStats, StepTrace
-from workers.proposer import MTPProposer, Proposer, SeqState
+from workers.proposer import Proposer, SeqState
 from workers.sampler import (argmax_rows, draft_sample, draft_top2, greedy_accept, probs_from_logits,
                              rejection_accept, sample_token, uniform)
 
@@ -64,7 +65,6 @@ class ModelRunner:
                  block_size: int, device: torch.device | str = "cpu"):
         self.rank, self.device, self.policy = rank, torch.device(device), policy
         self.target, self.proposer = target, proposer
-        self.keep_hidden = isinstance(proposer, MTPProposer)  # only MTP reads the target's hidden states
         self.block_size = block_size
         self.cache = target.new_kv_cache(num_blocks, block_size)
         self.seqs: dict[int, SeqState] = {}
@@ -108,10 +108,11 @@ class ModelRunner:
         last = [i for i, p in enumerate(plan.seqs) if p.prefill_last]
         logits = self.target.logits(hidden[batch.last_index[last]]).cpu() if last else None
         outputs = []
-        for s, h in zip(seqs, hidden.split(lens)):
-            s.num_computed += len(h)
-            if self.keep_hidden:
-                s.add_hidden(h)
+        for s, n in zip(seqs, lens):
+            s.num_computed += n
+        if self.proposer is not None:
+            self.proposer.keep(seqs, hidden, [0, *accumulate(lens[:-1])], lens)
+            self.proposer.tidy(self.seqs.values())
         for row, i in enumerate(last):
             s, p = seqs[i], plan.seqs[i]
             if p.next_token is not None:  # recomputed after a preemption: the token is known
@@ -131,8 +132,7 @@ class ModelRunner:
         target cache holds anything to copy."""
         prompt = len(parent.tokens)
         child = SeqState(f.seq_id, list(parent.tokens), f.block_table, num_computed=parent.num_computed,
-                         hidden_parts=list(parent.hidden_parts), hidden_start=parent.hidden_start,
-                         hidden_joined=parent.hidden_joined)
+                         hidden_rows=list(parent.hidden_rows), hidden_start=parent.hidden_start)
         if prompt % self.block_size:
             src, dst = parent.block_table[prompt // self.block_size], f.block_table[prompt // self.block_size]
             for cache_k, cache_v in self.cache:
@@ -302,18 +302,21 @@ class ModelRunner:
             row += lens[i]
         stats.accepted_per_position = _above(accepted, draft.steps)
         stats.verified_per_position = _above(keep, draft.steps)
-        outputs = []
+        outputs, firsts, counts = [], [], []
         row = 0
         for i, (s, p, a, new, verified) in enumerate(zip(seqs, plan.seqs, accepted, emitted, lens)):
             s.tokens.extend(new)
             s.num_computed += a + 1
-            if self.keep_hidden:
-                s.add_hidden(hidden, row, a + 1)  # this sequence's rows start at `row`
+            firsts.append(row)  # this sequence's rows start at `row`: a + 1 of them are final
+            counts.append(a + 1)
             row += verified
             if self.proposer is not None:
                 self.proposer.commit(s, a, draft.steps_of(i))
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps_of(i)), verified=verified - 1,
                                      accepted=a))
+        if self.proposer is not None:
+            self.proposer.keep(seqs, hidden, firsts, counts)
+            self.proposer.tidy(self.seqs.values())
         return outputs
 
 

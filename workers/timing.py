@@ -66,12 +66,14 @@ def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3) -
     w = runner.target.lm_head.weight
     params = [SamplingParams()] * n  # greedy
     start = ctx - SWEEP_CATCHUP  # the hiddens of positions start..ctx-1 pair with tokens start+1..ctx
+    zeros = torch.zeros(SWEEP_CATCHUP, hidden, dtype=w.dtype, device=w.device)
 
     def run():
         for s in seqs:
             s.num_computed, s.draft_len = ctx, start + 1
-            s.reset_hidden(start, torch.zeros(SWEEP_CATCHUP, hidden, dtype=w.dtype, device=w.device))
+            s.reset_hidden(start)
             del s.tokens[ctx + 1:]
+        runner.proposer.keep(seqs, zeros, [0] * n, [SWEEP_CATCHUP] * n)  # every sequence reads the same rows
         runner._draft_rows(seqs, params, steps, lambda *_: None, False)
 
     return _timed(run, runs)
