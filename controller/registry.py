@@ -30,7 +30,7 @@ SPEED_WINDOW = 512  # the latest online validate steps that say how fast the mac
 SPEED_MIN_SAMPLES = RECENT  # ... once there are this many of them
 SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
 DRAFT_MIN_SAMPLES = 16  # steady online draft steps that say how much dearer the draft runs in the engine
-SAME_FIT = 0.01  # a scheduled refit whose model predicts the recent steps within this of the last one's ...
+SAME_FIT = 0.05  # a scheduled refit whose model predicts the recent steps within this of the last one's ...
 SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every
 
 
@@ -144,24 +144,26 @@ class ProfileRegistry:
             self.recent_err.append(abs(predicted - s.validate_ms) / max(s.validate_ms, 1e-6))
         self._online.extend(validated)
         self.since_fit += len(validated)
-        if self.since_fit >= self.schedule:
-            # a steady machine gives the same fit again and again (2 ms each, in the step loop of an
-            # in-process rank): while refits change nothing, they come half as often
-            self.refit()
-            same = _predicts_alike(model, self.model, self._online.rows()[-RECENT:])
-            self.schedule = min(2 * self.schedule, SCHEDULE_MAX * self.refit_every) if same else self.refit_every
-            return self.model
-        if self.since_fit >= RECENT and len(self.recent_err) == RECENT:
+        scheduled = self.since_fit >= self.schedule
+        if not scheduled:
+            if self.since_fit < RECENT or len(self.recent_err) < RECENT:
+                return None
             if not self._drifted():
                 self.drift_wait = RECENT
-            elif self.since_fit >= self.drift_wait:
-                # the window holds thousands of samples: a refit 32 steps after one that left the error
-                # as high (a regime the model cannot follow) changes little, so wait twice as long
-                self.refit()
-                self.drift_wait = min(2 * self.drift_wait, self.refit_every)
-                self.schedule = self.refit_every
-                return self.model
-        return None
+                return None
+            if self.since_fit < self.drift_wait:
+                return None
+        # a steady machine gives the same fit again and again (2 ms each, in the step loop of an in-process
+        # rank): while they change nothing, scheduled refits come half as often
+        self.refit()
+        same = _predicts_alike(model, self.model, self._online.rows()[-RECENT:])
+        if scheduled or not same:
+            self.schedule = min(2 * self.schedule, SCHEDULE_MAX * self.refit_every) if same else self.refit_every
+        if not scheduled:
+            # the window holds thousands of samples: a refit 32 steps after one that left the error as high
+            # (a regime the model cannot follow) changes little, so wait twice as long
+            self.drift_wait = min(2 * self.drift_wait, self.refit_every)
+        return self.model
 
     def _report_on_sweep(self, model: TimeModel) -> FitReport | None:
         validated = self._sweep_validated()

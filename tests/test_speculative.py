@@ -80,66 +80,61 @@ def test_tp16_matches_tp1(ray_session, sharegpt_prompts, reference):
 
 
 def test_hidden_log_gives_back_each_sequence_s_rows():
-    """Three sequences' rows interleaved in each forward's output (some a run of rows, some
-    one): read back from the log at any point, across joins and the dropping of what no
-    sequence holds any more, they are the rows added, and the log holds nothing below the
-    oldest row still held but the part that holds it."""
+    """Sequences' rows interleaved in each forward's output (some a run of rows, some one, a
+    sequence absent from some forwards): read back from any entry on, across trims, they are
+    the rows added; a trim keeps every entry from the oldest one a live sequence reads."""
+    from types import SimpleNamespace
+
     import torch
 
-    from workers.hidden_log import JOIN_AT, HiddenLog
+    from workers.hidden_log import TRIM_EVERY, HiddenLog
 
     log, gen = HiddenLog(), torch.Generator().manual_seed(0)
-    held: dict[int, tuple[list[int], list[torch.Tensor]]] = {i: ([], []) for i in range(3)}
-    for step in range(5 * JOIN_AT + 3):
-        counts = [1 + (step + i) % 3 for i in range(3)]
-        firsts = [0, counts[0] + 1, counts[0] + counts[1] + 2]  # a rejected draft's row between sequences
-        h = torch.randn(firsts[2] + counts[2] + 1, 4, generator=gen)
-        base = log.add(h)
-        for i in range(3):
-            held[i][0].extend(range(base + firsts[i], base + firsts[i] + counts[i]))
-            held[i][1].append(h[firsts[i]:firsts[i] + counts[i]].clone())
-        if step % 7 == 6:  # sequence step % 3 drafts: reads all it holds, then holds nothing
-            rows, tensors = held[step % 3]
-            assert torch.equal(log.gather(rows), torch.cat(tensors))
-            assert torch.equal(log.gather(rows[3:]), torch.cat(tensors)[3:])
-            rows.clear(), tensors.clear()
-        if log.due():
-            oldest = min((r[0][0] for r in held.values() if r[0]), default=log.end)
-            log.join(oldest)
-            assert log.joined == len(log.parts) and log.starts[0] <= oldest
-            assert len(log.parts) == 1 or log.starts[1] > oldest  # nothing below the part holding it
-    for rows, tensors in held.values():
-        if rows:
-            assert torch.equal(log.gather(rows), torch.cat(tensors))
-    log.join(log.end)
-    assert len(log) == 0
+    seqs = [SimpleNamespace(seq_id=10 + i, hidden_step=0, rows=[]) for i in range(3)]
+    for step in range(5 * TRIM_EVERY + 3):
+        present = [s for i, s in enumerate(seqs) if (step + i) % 5]  # each sits out one forward in five
+        counts = [1 + (step + i) % 3 for i in range(len(present))]
+        firsts = [sum(counts[:i]) + i for i in range(len(present))]  # a rejected draft's row after each
+        h = torch.randn(sum(counts) + len(present), 4, generator=gen)
+        log.add(h, [s.seq_id for s in present], firsts, counts)
+        for s, first, count in zip(present, firsts, counts):
+            s.rows.append(h[first:first + count].clone())
+        if step % 7 == 6:  # one sequence drafts: reads all it holds, then holds nothing
+            s = seqs[step % 3]
+            assert torch.equal(torch.cat(log.rows(s.seq_id, s.hidden_step)), torch.cat(s.rows))
+            s.hidden_step, s.rows = log.end, []
+        oldest = min(s.hidden_step for s in seqs)
+        log.trim(seqs)
+        assert log.first <= oldest and (log.first == oldest or (step + 1) % TRIM_EVERY)  # trimmed every TRIM_EVERY
+    for s in seqs:
+        assert torch.equal(torch.cat(log.rows(s.seq_id, s.hidden_step)), torch.cat(s.rows))
 
 
 def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):
-    """Plain decoding for more steps than the hidden log joins, then drafting: the MTP
+    """Plain decoding for more steps than the hidden log trims after, then drafting: the MTP
     catches up on every position since the prompt, reading the target's hidden state at
     each (as one forward over the sequence computes it), and the tokens stay the target's."""
     import torch
 
     from models.attention import AttnBatch
-    from workers.hidden_log import JOIN_AT
+    from workers.hidden_log import TRIM_EVERY
 
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.method=mtp",
                                       "speculative.num_speculative_tokens=3"))
     try:
         runner = engine.workers.worker.runner
         proposer, caught_up = runner.proposer, []
-        begin, gather = proposer.begin, proposer.log.gather
+        begin, hidden = proposer.begin, proposer.hidden
 
         def first_begin(seqs, block_size):  # the first catch-up's hidden rows, per sequence
             if caught_up:
                 return begin(seqs, block_size)
             got = []
-            proposer.log.gather = lambda rows: got.append(gather(rows)) or got[-1]
+            proposer.hidden = lambda s: got.append(hidden(s)) or got[-1]
             try:
                 return begin(seqs, block_size)
             finally:
-                proposer.log.gather = gather
+                proposer.hidden = hidden
                 caught_up.extend((list(s.tokens), h.clone()) for s, h in zip(seqs, got))
 
         proposer.begin = first_begin
@@ -147,7 +142,7 @@ def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):
         for prompt in sharegpt_prompts:
             engine.add_request(prompt, greedy(MAX_TOKENS))
         got: dict[str, list[int]] = {}
-        for step in range(JOIN_AT + 3):  # the prompt, then JOIN_AT + 3 steps: a join and the outputs since
+        for step in range(TRIM_EVERY + 3):  # the prompt, then TRIM_EVERY + 3 steps: a trim and the entries since
             for out in engine.step():
                 got[out.request_id] = out.token_ids
         before = engine.stats.accepted
@@ -160,13 +155,20 @@ def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):
         assert len(caught_up) == len(sharegpt_prompts)
         for tokens, hidden in caught_up:
             n = len(tokens) - 1  # every computed position, each paired with the token after it
-            assert len(hidden) == n > JOIN_AT
+            assert len(hidden) == n > TRIM_EVERY
             blocks = -(-n // runner.block_size)
             cache = runner.target.new_kv_cache(blocks, runner.block_size)
             batch = AttnBatch.build([0], [n], [list(range(blocks))], runner.block_size, runner.device)
             with torch.inference_mode():
                 expected = runner.target(torch.tensor(tokens[:n]), batch, cache)
             torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+        # a sequence that arrives later reads the log from its own prompt on: what came before goes
+        engine.set_num_speculative_tokens(0)
+        before = proposer.log.end
+        engine.add_request(sharegpt_prompts[0], greedy(MAX_TOKENS))
+        for step in range(TRIM_EVERY + 1):
+            engine.step()
+        assert engine.has_work() and proposer.log.first == before
     finally:
         engine.shutdown()
 

@@ -10,7 +10,7 @@ writes are indexed by position.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,14 +32,12 @@ class SeqState:
     block_table: list[int]
     num_computed: int = 0
     draft_len: int = 0  # proposer cache positions below this are final
-    # MTP: where the target hiddens of positions hidden_start..num_computed-1 lie in the proposer's log
-    # (workers/hidden_log.py), one row number per position
-    hidden_rows: list[int] = field(default_factory=list)
+    # MTP: the target hiddens of positions hidden_start..num_computed-1 are hidden_head's rows (a fork's
+    # from its parent, the timing sweep's), then this sequence's rows in the proposer's log entries from
+    # number hidden_step on (workers/hidden_log.py)
     hidden_start: int = 0
-
-    def reset_hidden(self, start: int) -> None:
-        """Hold the hiddens of positions start.. (none yet)."""
-        self.hidden_rows, self.hidden_start = [], start
+    hidden_step: int = 0
+    hidden_head: torch.Tensor | None = None
 
 
 @dataclass
@@ -70,12 +68,18 @@ class Proposer:
     def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
         """After validation: `accepted` of the drafts were accepted, `draft_steps` were drafted."""
 
-    def keep(self, seqs: list[SeqState], hidden: torch.Tensor, firsts: list[int], counts: list[int]) -> None:
-        """A target forward's output (T, H): seqs[i]'s next positions are its rows firsts[i] ..
-        firsts[i] + counts[i] - 1. Only the MTP module reads them."""
+    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live) -> None:
+        """A target forward's output (T, H): sequence ids[i]'s next positions are its rows firsts[i] ..
+        firsts[i] + counts[i] - 1; live: every sequence on this rank (SeqState). Only the MTP module
+        reads them."""
 
-    def tidy(self, live) -> None:
-        """live: every sequence on this rank (SeqState); what none of them reads may go."""
+    def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
+        """seq's hiddens start here (a new sequence, or one made to draft from hidden_start with
+        `head`'s rows: a fork, the timing sweep)."""
+
+    def hidden(self, seq: SeqState) -> torch.Tensor | None:
+        """The hiddens seq holds (positions hidden_start..num_computed-1); None without the MTP module."""
+        return None
 
 
 class DraftModelProposer(Proposer):
@@ -123,17 +127,18 @@ class MTPProposer(Proposer):
         self.cache = mtp.new_kv_cache(num_blocks, block_size)
         self.log = HiddenLog()
 
-    def keep(self, seqs: list[SeqState], hidden: torch.Tensor, firsts: list[int], counts: list[int]) -> None:
-        base = self.log.add(hidden)
-        for s, first, count in zip(seqs, firsts, counts):
-            if count == 1:
-                s.hidden_rows.append(base + first)
-            else:
-                s.hidden_rows.extend(range(base + first, base + first + count))
+    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live) -> None:
+        self.log.add(hidden, ids, firsts, counts)
+        self.log.trim(live)
 
-    def tidy(self, live) -> None:
-        if self.log.due():
-            self.log.join(min((s.hidden_rows[0] for s in live if s.hidden_rows), default=self.log.end))
+    def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
+        seq.hidden_step, seq.hidden_head = self.log.end, head
+
+    def hidden(self, seq: SeqState) -> torch.Tensor:
+        parts = self.log.rows(seq.seq_id, seq.hidden_step)
+        if seq.hidden_head is not None:
+            parts.insert(0, seq.hidden_head)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
         # pair at position p: (target hidden at p-1, token at p), for p = draft_len .. len(tokens)-1
@@ -142,7 +147,7 @@ class MTPProposer(Proposer):
             start = max(s.draft_len, 1)
             starts.append(start)
             lens.append(len(s.tokens) - start)
-            hid.append(self.log.gather(s.hidden_rows[start - 1 - s.hidden_start:]))
+            hid.append(self.hidden(s)[start - 1 - s.hidden_start:])
         device = self.mtp.eh_proj.weight.device
         ids = torch.tensor([t for s, a in zip(seqs, starts) for t in s.tokens[a:]], device=device)
         tables = [s.block_table for s in seqs]
@@ -150,7 +155,8 @@ class MTPProposer(Proposer):
         out = self.mtp(self.target.model.embed_tokens(ids), torch.cat(hid), batch, self.cache)
         for s in seqs:
             s.draft_len = len(s.tokens)
-            s.reset_hidden(s.num_computed)
+            s.hidden_start = s.num_computed
+            self.start(s)
         run = DraftRun([len(s.tokens) - 1 for s in seqs], tables, block_size, len(ids), out[batch.last_index])
         return run, self.logits(run.hidden)
 

@@ -94,6 +94,8 @@ class ModelRunner:
         for p in plan.seqs:
             if p.prefill_start == 0:
                 self.seqs[p.seq_id] = SeqState(p.seq_id, [], p.block_table)
+                if self.proposer is not None:
+                    self.proposer.start(self.seqs[p.seq_id])
             s = self.seqs[p.seq_id]
             assert s.num_computed == p.prefill_start, f"seq {p.seq_id}: prefill at {p.prefill_start}, has {s.num_computed}"
             s.tokens.extend(p.prefill)
@@ -111,8 +113,8 @@ class ModelRunner:
         for s, n in zip(seqs, lens):
             s.num_computed += n
         if self.proposer is not None:
-            self.proposer.keep(seqs, hidden, [0, *accumulate(lens[:-1])], lens)
-            self.proposer.tidy(self.seqs.values())
+            self.proposer.keep([p.seq_id for p in plan.seqs], hidden, [0, *accumulate(lens[:-1])], lens,
+                               self.seqs.values())
         for row, i in enumerate(last):
             s, p = seqs[i], plan.seqs[i]
             if p.next_token is not None:  # recomputed after a preemption: the token is known
@@ -132,7 +134,9 @@ class ModelRunner:
         target cache holds anything to copy."""
         prompt = len(parent.tokens)
         child = SeqState(f.seq_id, list(parent.tokens), f.block_table, num_computed=parent.num_computed,
-                         hidden_rows=list(parent.hidden_rows), hidden_start=parent.hidden_start)
+                         hidden_start=parent.hidden_start)
+        if self.proposer is not None:
+            self.proposer.start(child, self.proposer.hidden(parent))  # the parent's rows, as its own
         if prompt % self.block_size:
             src, dst = parent.block_table[prompt // self.block_size], f.block_table[prompt // self.block_size]
             for cache_k, cache_v in self.cache:
@@ -302,11 +306,12 @@ class ModelRunner:
             row += lens[i]
         stats.accepted_per_position = _above(accepted, draft.steps)
         stats.verified_per_position = _above(keep, draft.steps)
-        outputs, firsts, counts = [], [], []
+        outputs, ids, firsts, counts = [], [], [], []
         row = 0
         for i, (s, p, a, new, verified) in enumerate(zip(seqs, plan.seqs, accepted, emitted, lens)):
             s.tokens.extend(new)
             s.num_computed += a + 1
+            ids.append(p.seq_id)
             firsts.append(row)  # this sequence's rows start at `row`: a + 1 of them are final
             counts.append(a + 1)
             row += verified
@@ -315,8 +320,7 @@ class ModelRunner:
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps_of(i)), verified=verified - 1,
                                      accepted=a))
         if self.proposer is not None:
-            self.proposer.keep(seqs, hidden, firsts, counts)
-            self.proposer.tidy(self.seqs.values())
+            self.proposer.keep(ids, hidden, firsts, counts, self.seqs.values())
         return outputs
 
 

@@ -71,9 +71,9 @@ def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3) -
     def run():
         for s in seqs:
             s.num_computed, s.draft_len = ctx, start + 1
-            s.reset_hidden(start)
+            s.hidden_start = start
+            runner.proposer.start(s, zeros)
             del s.tokens[ctx + 1:]
-        runner.proposer.keep(seqs, zeros, [0] * n, [SWEEP_CATCHUP] * n)  # every sequence reads the same rows
         runner._draft_rows(seqs, params, steps, lambda *_: None, False)
 
     return _timed(run, runs)
