@@ -280,12 +280,16 @@ class SpecPolicy:
             self._flush()
 
     def _flush(self) -> None:
-        self.yields.count_steps(self._counts)
-        self._counts = []
+        counts, self._counts = self._counts, []
+        self.yields.count_steps(counts)
         self.yields.fold()
         if not self._pending:
             self._observed = self._pending_rows = 0
-            self._set_rates()
+            if counts:  # the draft yields moved; nothing else did
+                self._set_rates()
+            # a batch of steps that drafted nothing (plain decoding, standing down, oracle steps) changes
+            # no rate: the budget's terms and batch 1's OneRow stay (rebuilt, they had cost the next
+            # drafting step at batch 1 about 0.5 ms)
             return
         # A large batch's calibration batch (batch 256: 8,000 sequence-steps, about 5 ms) fits on
         # every r-th sequence-step, each counted r times: the same sums in expectation, at 1/r of

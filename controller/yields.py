@@ -99,8 +99,12 @@ class YieldsByBatch:
     def count_steps(self, steps: list[tuple]) -> None:
         """Steps' drafts and outcomes (DraftYields.count), each ((max_keep, drafts made),
         verified, accepted), into the bucket of their batch size, len(verified)."""
+        n, yields = 0, None
         for (max_keep, m), verified, accepted in steps:
-            self.of(len(verified)).count(max_keep, m, verified, accepted)
+            if len(verified) != n:  # runs of one batch size look their bucket up once
+                n = len(verified)
+                yields = self.of(n)
+            yields.count(max_keep, m, verified, accepted)
 
     def fold(self) -> None:
         for yields in self.buckets.values():

@@ -432,6 +432,28 @@ def test_only_steps_that_may_stop_early_ask():
     assert callable(oracle.early_stop(*buffers))
 
 
+def test_a_calibration_batch_of_steps_that_drafted_nothing_keeps_what_the_rates_give():
+    """Steps that drafted nothing (plain decoding in an engine that also drafts, standing
+    down) reach a calibration batch with nothing in it: batch 1's OneRow and the budget's
+    cached terms stay as they were, where a batch that verified drafts rebuilds them."""
+    policy = _policy(k=4)
+    _teach(policy, 0.8)
+    policy._flush()  # what _teach left pending
+    tm = TimeModel(version=1, b0=2.0, b1=0.05, b2=0.0, d0=0.3, d1=0.001)
+    policy.install(tm)
+    policy.last_probe = 10**9  # no probe
+    policy.begin_step("adaptive", [100], [4], 1, 4)
+    policy.begin_step("adaptive", [100] * 8, [4] * 8, 1, 4)
+    one, terms = policy._one_row, dict(policy._budget_cache)
+    assert one is not None and terms
+    for _ in range(300):  # past OBSERVE_MAX steps
+        step = policy.begin_step("static", [100], [0], 1, 0)
+        policy.end_step(step, np.zeros((1, 0)), np.zeros((1, 0)), [0], [0])
+    assert policy._observed < 300 and policy._one_row is one and policy._budget_cache == terms
+    _teach(policy, 0.3)
+    assert policy._one_row is None and policy._budget_cache == {}
+
+
 def test_oracle_steps_teach_the_estimators_nothing():
     """An oracle step verifies the drafts that match the reference, chosen by their outcome:
     its all-accepted drafts must not reach the calibrators, or every other arm sharing the
