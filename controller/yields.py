@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from controller.estimators import HALVE_AT, PRIOR_WEIGHT, Calibrator
+from controller.pending import joined
 
 
 class DraftYields:
@@ -36,15 +37,15 @@ class DraftYields:
 
     def pending(self) -> list[list[int]]:
         """The counts since the last fold: per position j, the drafts made there (that could be
-        verified), verified and accepted; each list as long as its deepest position counted."""
-        values, arrays = [], []  # drafts made: small batches' as Python ints, large ones' as arrays
-        for max_keep, m, _, _ in self._steps:
-            if isinstance(max_keep, list):
-                values.extend([v if v < m else m for v in max_keep])
-            else:
-                arrays.append(np.minimum(max_keep, m))
-        return [_at_least(values, arrays), _at_least(*_split([s[2] for s in self._steps])),
-                _at_least(*_split([s[3] for s in self._steps]))]
+        verified), verified and accepted; each list as long as its deepest position counted.
+        A few array operations over the steps' values end to end, not a few per step (at batch
+        1 a fold of 256 steps took about 0.5 ms one step at a time)."""
+        steps = self._steps
+        if not steps:
+            return [[], [], []]
+        made = np.minimum(joined([s[0] for s in steps]),
+                          np.repeat(np.array([s[1] for s in steps], dtype=np.int64), [len(s[2]) for s in steps]))
+        return [_at_least(made), _at_least(joined([s[2] for s in steps])), _at_least(joined([s[3] for s in steps]))]
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
@@ -116,26 +117,11 @@ class YieldsByBatch:
         return (yields if yields is not None else DraftYields(self.k)).shares(prior_rates)
 
 
-def _split(parts: list) -> tuple[list[int], list[np.ndarray]]:
-    """Per-step values (lists or arrays) -> (the lists' values end to end, the arrays)."""
-    values: list[int] = []
-    arrays = []
-    for p in parts:
-        if isinstance(p, list):
-            values.extend(p)
-        else:
-            arrays.append(p)
-    return values, arrays
-
-
-def _at_least(values: list[int], arrays: list[np.ndarray]) -> list[int]:
-    """counts[j] = how many of the values (Python ints and arrays of them) are above j, for j
-    below the largest."""
-    if arrays:
-        values = np.concatenate([np.asarray(values, dtype=np.int64)] + [np.asarray(a, dtype=np.int64) for a in arrays])
-    elif not values:
+def _at_least(values: np.ndarray) -> list[int]:
+    """counts[j] = how many of the values are above j, for j below the largest."""
+    if not len(values):
         return []
-    hist = np.bincount(np.asarray(values, dtype=np.int64))
+    hist = np.bincount(values)
     return (len(values) - np.cumsum(hist)[:-1]).tolist()
 
 
