@@ -30,8 +30,8 @@ MODES = ("static", "adaptive", "oracle")
 PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
 PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding that drafting does not pay ...
 OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at least this many steps ...
-OBSERVE_ROWS = 256  # ... and of at least this many sequence-steps (small batches wait longer) ...
-OBSERVE_MAX = 256  # ... but never more steps than this
+OBSERVE_ROWS = 512  # ... and of at least this many sequence-steps (small batches wait longer) ...
+OBSERVE_MAX = 512  # ... but never more steps than this
 CALIBRATE_ROWS = 1024  # a batch of more sequence-steps fits on an evenly spaced sample of about this many
 COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, every adaptive step probes and
 # its outcomes reach the calibrators at once (a cold start: see begin_step)
@@ -118,7 +118,7 @@ class SpecPolicy:
         every adaptive step where drafting could pay were every draft accepted (`could_pay`),
         and each probe's outcomes reach the calibrators at the end of its step. Started on the
         prior (every draft accepted half the time), batch 1 stood down, its probes backed off
-        before their outcomes had reached the rates (calibration batches come every 256 steps
+        before their outcomes had reached the rates (calibration batches came every 256 steps
         there), and adaptive-7 verified 1-3 drafts in its first 250 steps where the drafts
         were accepted 80% of the time."""
         if mode not in MODES:

@@ -446,11 +446,13 @@ def test_a_calibration_batch_of_steps_that_drafted_nothing_keeps_what_the_rates_
     policy.begin_step("adaptive", [100] * 8, [4] * 8, 1, 4)
     one, terms = policy._one_row, dict(policy._budget_cache)
     assert one is not None and terms
-    for _ in range(300):  # past OBSERVE_MAX steps
+    from controller.policy import OBSERVE_MAX
+    for _ in range(OBSERVE_MAX + 44):  # past a calibration batch
         step = policy.begin_step("static", [100], [0], 1, 0)
         policy.end_step(step, np.zeros((1, 0)), np.zeros((1, 0)), [0], [0])
-    assert policy._observed < 300 and policy._one_row is one and policy._budget_cache == terms
+    assert policy._observed == 44 and policy._one_row is one and policy._budget_cache == terms
     _teach(policy, 0.3)
+    policy._flush()
     assert policy._one_row is None and policy._budget_cache == {}
 
 
