@@ -41,11 +41,8 @@ def stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     col = np.arange(width)[None, :]
     inside = col < np.repeat(np.asarray(widths), counts)[:, None]  # row-major, as each step's ravel
     top, margin, weights = np.zeros((rows, width)), np.ones((rows, width)), np.ones((rows, width))
-    # a one-row step's row is a view (batch 1: half the calls of slicing and ravelling each)
-    top[inside] = np.concatenate([t[0, :w] if c == 1 else t[:, :w].ravel()
-                                  for (t, _, _, _, _, w), c in zip(pending, counts)])
-    margin[inside] = np.concatenate([m[0, :w] if c == 1 else m[:, :w].ravel()
-                                     for (_, m, _, _, _, w), c in zip(pending, counts)])
+    top[inside] = np.concatenate([t[:, :w].ravel() for t, _, _, _, _, w in pending])
+    margin[inside] = np.concatenate([m[:, :w].ravel() for _, m, _, _, _, w in pending])
     weights[inside & (col >= np.asarray(rules, dtype=np.int64)[:, None])] = float(EXPLORE_EVERY)
     return top, margin, weights
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from controller.decision import SMALL
 from controller.estimators import HALVE_AT, PRIOR_WEIGHT, Calibrator
 from controller.pending import joined
 
@@ -45,7 +46,8 @@ class DraftYields:
             return [[], [], []]
         made = np.minimum(joined([s[0] for s in steps]),
                           np.repeat(np.array([s[1] for s in steps], dtype=np.int64), [len(s[2]) for s in steps]))
-        return [_at_least(made), _at_least(joined([s[2] for s in steps])), _at_least(joined([s[3] for s in steps]))]
+        return [above(v, int(v.max(initial=0))) for v in (made, joined([s[2] for s in steps]),
+                                                          joined([s[3] for s in steps]))]
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
@@ -100,12 +102,8 @@ class YieldsByBatch:
     def count_steps(self, steps: list[tuple]) -> None:
         """Steps' drafts and outcomes (DraftYields.count), each ((max_keep, drafts made),
         verified, accepted), into the bucket of their batch size, len(verified)."""
-        n, yields = 0, None
         for (max_keep, m), verified, accepted in steps:
-            if len(verified) != n:  # runs of one batch size look their bucket up once
-                n = len(verified)
-                yields = self.of(n)
-            yields.count(max_keep, m, verified, accepted)
+            self.of(len(verified)).count(max_keep, m, verified, accepted)
 
     def fold(self) -> None:
         for yields in self.buckets.values():
@@ -117,12 +115,13 @@ class YieldsByBatch:
         return (yields if yields is not None else DraftYields(self.k)).shares(prior_rates)
 
 
-def _at_least(values: np.ndarray) -> list[int]:
-    """counts[j] = how many of the values are above j, for j below the largest."""
-    if not len(values):
-        return []
-    hist = np.bincount(values)
-    return (len(values) - np.cumsum(hist)[:-1]).tolist()
+def above(values, m: int) -> list[int]:
+    """[how many of values (a list of ints or an int array) exceed j, for j < m]: in Python for
+    a short list (a numpy call costs microseconds between forward passes), else one histogram."""
+    if isinstance(values, list) and len(values) <= SMALL:
+        return [sum(v > j for v in values) for j in range(m)]
+    counts = np.bincount(np.minimum(values, m), minlength=m + 1)
+    return (len(values) - np.cumsum(counts)[:-1]).tolist()
 
 
 def prior_rates(calibrator: Calibrator) -> np.ndarray:

@@ -93,3 +93,16 @@ def test_what_drafting_brings_is_counted_per_batch_size():
     assert alone_verified[0] == 1.0 and alone_accepted[0] > accepted[0] + 0.3
     assert policy.shares(5) == policy.shares(7) != policy.shares(8)  # buckets 4-7 and 8-15
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 127, 128, 10**4)] == [0, 1, 1, 2, 2, 3, 6, 7, 7]
+
+
+def test_above_counts_the_values_past_each_position_on_both_paths():
+    """above(values, m)[j] = how many values exceed j, for j < m: short lists count in Python,
+    longer ones and arrays by a histogram; both give the brute-force counts."""
+    from controller.decision import SMALL
+    from controller.yields import above
+    rng = np.random.default_rng(2)
+    for n in (0, 1, 3, SMALL, SMALL + 1, 200):
+        values = rng.integers(0, 9, n).tolist()
+        for m in (0, 1, 4, 7, 12):
+            expected = [sum(v > j for v in values) for j in range(m)]
+            assert above(values, m) == expected and above(np.array(values, dtype=np.int64), m) == expected

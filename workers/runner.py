@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
 
-from controller.decision import SMALL
 from controller.policy import SpecPolicy
+from controller.yields import above
 
 from models.attention import AttnBatch
 from models.decoder import CausalLM
@@ -304,33 +304,20 @@ class ModelRunner:
                 accepted.append(a)
                 emitted.append(out)
             row += lens[i]
-        stats.accepted_per_position = _above(accepted, draft.steps)
-        stats.verified_per_position = _above(keep, draft.steps)
-        outputs, ids, firsts, counts = [], [], [], []
-        row = 0
+        stats.accepted_per_position = above(accepted, draft.steps)
+        stats.verified_per_position = above(keep, draft.steps)
+        outputs = []
         for i, (s, p, a, new, verified) in enumerate(zip(seqs, plan.seqs, accepted, emitted, lens)):
             s.tokens.extend(new)
             s.num_computed += a + 1
-            ids.append(p.seq_id)
-            firsts.append(row)  # this sequence's rows start at `row`: a + 1 of them are final
-            counts.append(a + 1)
-            row += verified
             if self.proposer is not None:
                 self.proposer.commit(s, a, draft.steps_of(i))
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps_of(i)), verified=verified - 1,
                                      accepted=a))
-        if self.proposer is not None:
-            self.proposer.keep(ids, hidden, firsts, counts, self.seqs.values())
+        if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
+            self.proposer.keep([p.seq_id for p in plan.seqs], hidden, [0, *accumulate(lens[:-1])],
+                               [a + 1 for a in accepted], self.seqs.values())
         return outputs
-
-
-def _above(values: list[int], m: int) -> list[int]:
-    """[how many of values exceed j, for j < m]: in Python for small batches (a numpy call
-    costs microseconds between forward passes), by one histogram for large ones."""
-    if len(values) <= SMALL:
-        return [sum(v > j for v in values) for j in range(m)]
-    counts = np.bincount(np.minimum(values, m), minlength=m + 1)
-    return (len(values) - np.cumsum(counts)[:-1]).tolist()
 
 
 def _rounded(a: np.ndarray) -> list[list[float]]:
