@@ -22,13 +22,12 @@ from controller.decision import draft_units, f_table, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.pending import every, joined, stacked
+from controller.probes import ProbeSchedule
 from controller.step import SpecStep
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import YieldsByBatch, batch_bucket, prior_rates
 
 MODES = ("static", "adaptive", "oracle")
-PROBE_EVERY = 32  # an adaptive step explores one draft position past the budget every 32 steps ...
-PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while probes keep finding that drafting does not pay ...
 OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at least this many steps ...
 OBSERVE_ROWS = 512  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 512  # ... but never more steps than this
@@ -54,9 +53,7 @@ class SpecPolicy:
         self.in_use = 0  # the newest version a plan has named
         self._lock = threading.Lock()
         self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
-        self.probes = 0
-        self.probe_every = PROBE_EVERY
-        self.last_probe = -PROBE_EVERY  # the first adaptive step probes
+        self.probes = ProbeSchedule()  # when adaptive steps probe, per batch size (controller/probes.py)
         self.cold = True  # fewer than COLD_TRIALS first drafts verified so far (set by every calibration batch)
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
@@ -102,12 +99,14 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, mode: str, kv, max_keep, version: int, k: int,
-                   oracle: np.ndarray | None = None) -> SpecStep:
+                   oracle: np.ndarray | None = None, lag=None) -> SpecStep:
         """The step's decisions (controller/step.py): kv, max_keep: (n,) context length and
         drafts each sequence may verify, lists of ints (or arrays; a list spares a small batch
         numpy's calls, each several microseconds between two forward passes, when the caches
         are cold); k: drafts the step may make (0: none); oracle: (n, k)
-        reference tokens after the last emitted one (-1 past the end), oracle mode only.
+        reference tokens after the last emitted one (-1 past the end), oracle mode only;
+        lag: lag() gives the tokens each sequence would catch up on before drafting, asked only
+        by a probe where drafting does not pay (it drafts the rows least behind; SpecStep).
 
         Probe steps: without them, positions the budget calls hopeless would never be
         drafted, and the estimates could never learn that they are not. A probe drafts one
@@ -128,10 +127,8 @@ class SpecPolicy:
         if mode == "adaptive":
             self.adaptive_steps += 1
             learning = self.cold and k > 0 and self.could_pay(model, len(kv), k)
-            probe = learning or self.adaptive_steps - self.last_probe >= self.probe_every
-            if probe:
-                self.last_probe, self.probes = self.adaptive_steps, self.probes + 1
-        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning)
+            probe = self.probes.due(self.adaptive_steps, len(kv), cold=learning)
+        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, lag=lag)
 
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted) -> None:
         """The step's outcomes (as `observe`; verified, accepted: lists or arrays), and the probe
@@ -146,7 +143,7 @@ class SpecPolicy:
         if step.mode == "oracle":
             return
         if step.probe and not step.cold_start:
-            self.probe_every = min(PROBE_MAX_EVERY, self.probe_every * 2) if step.best_m == 0 else PROBE_EVERY
+            self.probes.found(len(step.kv), step.best_m > 0)
         counted = None
         if step.rows is not None and step.rule_keep is not None:
             # a stand-down probe's rows, all verified by exploration, stand for what the rule would have verified
@@ -154,6 +151,15 @@ class SpecPolicy:
             rule = np.asarray(step.rule_keep, dtype=np.int64)
             counted = (rule, np.minimum(accepted, rule))
         self.observe(top_prob, margin, verified, accepted, step.rule_keep, counted, step.drafted)
+
+    def end_plain_step(self, step: SpecStep) -> None:
+        """end_step for a step that drafted nothing (plain decoding, standing down): the same
+        bookkeeping without the outcome arrays it would have been handed empty."""
+        if step.mode == "oracle":
+            return
+        if step.probe and not step.cold_start:
+            self.probes.found(len(step.kv), step.best_m > 0)
+        self._count_step(0)
 
     def one_row(self, tm: TimeModel, extra: int):
         """Batch 1's OneRow (controller/one_row.py), deciding on the logistic estimate, for steps
@@ -274,6 +280,10 @@ class SpecPolicy:
             self._pending_rows += len(verified)
         if rule is not None:  # what the step verified (the rule's choice and exploration's) and got accepted
             self._counts.append((drafted, verified, accepted) if counted is None else (drafted, *counted))
+        self._count_step(width)
+
+    def _count_step(self, width: int) -> None:
+        """One more step observed (width: drafts some sequence verified); a calibration batch when due."""
         self._observed += 1
         if (self.cold and width) or self._observed >= OBSERVE_MAX or \
                 (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):

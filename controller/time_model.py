@@ -35,6 +35,7 @@ Both are fitted by least squares on measured steps with every coefficient non-ne
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,9 +78,10 @@ class TimeModel:
 
     def validate_ms_from(self, q_tokens: int, kv_tokens: int) -> float:
         """The same prediction from the summed features."""
-        if not self.q_knots:  # the same floats as q_ms_at's, without numpy's per-call cost (every step asks)
+        # the same floats as q_ms_at's, without numpy's per-call cost (every step asks)
+        if not self.q_knots:
             return (self.b0 + self.b1 * float(q_tokens)) + self.b2 * kv_tokens
-        return float(self.q_ms_at(q_tokens)) + self.b2 * kv_tokens
+        return piecewise_at(q_tokens, self.q_knots, self.q_ms) + self.b2 * kv_tokens
 
     def validate_ms_at(self, q_tokens: np.ndarray, kv_tokens: np.ndarray) -> np.ndarray:
         """validate_ms_from for arrays of steps' summed features."""
@@ -91,12 +93,12 @@ class TimeModel:
     def draft_step_ms(self, n: int) -> float:
         """g(n): one more draft step for n sequences."""
         if self.n_knots:
-            return float(piecewise(n, self.n_knots, self.n_ms))
+            return piecewise_at(n, self.n_knots, self.n_ms)
         return self.d0 + self.d1 * n
 
     def first_ms(self, n: int) -> float:
         """h(n): what the first of n sequences' draft steps costs beyond the others."""
-        return float(piecewise(n, self.n_knots, self.h_ms)) if self.h_ms else self.d_first
+        return piecewise_at(n, self.n_knots, self.h_ms) if self.h_ms else self.d_first
 
     def draft_ms(self, n: int, steps: int) -> float:
         """`steps` draft steps for n sequences: h(n) + steps g(n) (nothing for none)."""
@@ -120,6 +122,23 @@ def piecewise(x, knots, values):
         slope = (v[-1] - v[-2]) / (k[-1] - k[-2])
         y = np.where(x > k[-1], v[-1] + slope * (x - k[-1]), y)
     return y
+
+
+def piecewise_at(x, knots, values) -> float:
+    """piecewise at one x, in Python floats: the same value (np.interp's arithmetic), without
+    the five numpy calls that made a scalar's prediction cost several microseconds a step."""
+    x = float(x)
+    last, j = len(knots) - 1, bisect_right(knots, x) - 1
+    if j < 0:
+        return float(values[0])
+    if j >= last:
+        if x > knots[last] and last > 0:
+            slope = (values[last] - values[last - 1]) / (knots[last] - knots[last - 1])
+            return values[last] + slope * (x - knots[last])
+        return float(values[last])
+    if knots[j] == x:
+        return float(values[j])
+    return (values[j + 1] - values[j]) / (knots[j + 1] - knots[j]) * (x - knots[j]) + values[j]
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

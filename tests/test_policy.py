@@ -10,7 +10,8 @@ import pytest
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
 from controller.pending import stacked as _stacked
-from controller.policy import PROBE_EVERY, PROBE_MAX_EVERY, SpecPolicy
+from controller.policy import SpecPolicy
+from controller.probes import PROBE_EVERY, PROBE_MAX_EVERY
 from controller.step import EXPLORE_EVERY
 from controller.time_model import TimeModel
 
@@ -142,7 +143,7 @@ def test_draft_budget_follows_acceptance_and_cost():
     good, bad = _policy(), _policy()
     _teach(good, 0.95)
     _teach(bad, 0.02)
-    good.last_probe = bad.last_probe = 10**9  # no probe in these steps
+    good.probes.hold(), bad.probes.hold()  # no probe in these steps
     assert _budget(good, cheap_drafts) == 4  # drafts nearly always accepted and nearly free: all of them
     assert _budget(bad, cheap_drafts) == 0  # drafts never accepted: a plain decode step
     assert _budget(good, costly_drafts) == 0  # a draft step costs ten validations
@@ -155,17 +156,39 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     _teach(policy, 0.02)
     model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
     assert _budget(policy, model) == 1  # the first adaptive step probes one position past the budget (0)
-    assert policy.probe_every == 2 * PROBE_EVERY
-    steps, probes = 0, policy.probes
-    while policy.probe_every < PROBE_MAX_EVERY:
+    assert policy.probes.every_at(4) == 2 * PROBE_EVERY
+    steps, probes = 0, policy.probes.probes
+    while policy.probes.every_at(4) < PROBE_MAX_EVERY:
         _budget(policy, model)
         steps += 1
-    assert policy.probes - probes == int(np.log2(PROBE_MAX_EVERY // PROBE_EVERY)) - 1
+    assert policy.probes.probes - probes == int(np.log2(PROBE_MAX_EVERY // PROBE_EVERY)) - 1
     assert steps == sum(PROBE_EVERY * 2 ** i for i in range(1, int(np.log2(PROBE_MAX_EVERY // PROBE_EVERY))))
     _teach(policy, 0.95)  # drafting pays again: the next probe brings the interval back
     for _ in range(PROBE_MAX_EVERY):
         _budget(policy, model)
-    assert policy.probe_every == PROBE_EVERY and _budget(policy, model) == 4
+    assert policy.probes.every_at(4) == PROBE_EVERY and _budget(policy, model) == 4
+
+
+def test_probes_back_off_per_batch_size():
+    """A load that moves between one sequence (drafting pays there) and eight (it does not):
+    the steps at eight back off their probes as if the steps at one were not there, and the
+    steps at one draft throughout."""
+    policy = _policy()
+    _teach(policy, 0.8)
+    model = TimeModel(version=1, b0=1.0, b1=0.5, d0=0.2, d1=0.0)  # validation dear: drafting pays at 1, not at 8
+    probes_at_8, budgets_at_1 = 0, []
+    for _ in range(20):
+        for _ in range(50):
+            budgets_at_1.append(_budget(policy, model, n=1))
+        for _ in range(50):
+            before = policy.probes.probes
+            _budget(policy, model, n=8)
+            probes_at_8 += policy.probes.probes - before
+    assert min(budgets_at_1) >= 2
+    # 1000 steps at eight within 2000 adaptive steps: probes at steps 0, 32, 96, 224, 480, 992 and 2016 of the
+    # 2000 apart from the steps at one (a probe falls on the first step at eight once its interval has passed)
+    assert probes_at_8 <= 7 and policy.probes.every_at(8) >= 16 * PROBE_EVERY, probes_at_8
+    assert policy.probes.every_at(1) == PROBE_EVERY
 
 
 def test_a_cold_start_at_batch_1_learns_that_drafting_pays_within_its_first_steps():
@@ -216,7 +239,7 @@ def test_cold_probes_do_not_back_off_the_probe_schedule():
         accepted = int(keep[0] > 0 and rng.random() < 0.2)
         policy.end_step(step, top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.array([accepted]))
         cold_steps += 1
-    assert cold_steps >= 32 and policy.probe_every == PROBE_EVERY
+    assert cold_steps >= 32 and policy.probes.every_at(1) == PROBE_EVERY
 
 
 def test_a_cold_start_does_not_probe_where_no_acceptance_could_pay():
@@ -227,7 +250,7 @@ def test_a_cold_start_does_not_probe_where_no_acceptance_could_pay():
     assert not policy.could_pay(costly, 4, 4) and policy.could_pay(TimeModel(b0=5.0, b1=0.1, d0=0.5), 4, 4)
     for _ in range(200):
         _budget(policy, costly)
-    assert policy.cold and policy.probes == 3  # steps 1, 33 and 97: the interval doubled
+    assert policy.cold and policy.probes.probes == 3  # steps 1, 33 and 97: the interval doubled
 
 
 @pytest.mark.parametrize("n", [1, 2, 40])  # batch 1's path, the small batches', the arrays'
@@ -244,7 +267,7 @@ def test_early_stop_looks_one_draft_ahead_at_the_observed_rate(n):
             policy.observe(np.full((1, 4), 0.5), np.full((1, 4), 0.2), np.array([2]), np.array([accepted]))
         model = TimeModel(version=1, b0=1.0, b1=0.01, d0=0.2, d1=0.0)
         policy.install(model)
-        policy.last_probe = 10**9  # no probe
+        policy.probes.hold()  # no probe
         step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1, 4)
         assert abs(policy.next_rates[1] - second) < 0.05
         assert step.keep_drafting(np.full((n, 1), 0.5), np.full((n, 1), 0.2), np.full((n, 1), 7)) is expected
@@ -271,7 +294,25 @@ def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
     yields = policy.yields.of(n)
     assert yields.drafted.tolist() == [2, 0, 0, 0] and yields.verified.sum() == yields.accepted.sum() == 0
     # (exploration verified and got both)
-    assert policy.probe_every == 2 * PROBE_EVERY  # and the probes back off
+    assert policy.probes.every_at(16) == 2 * PROBE_EVERY  # and the probes back off
+
+
+def test_a_stand_down_probe_drafts_for_the_rows_least_behind():
+    """Given how far behind each sequence's draft is, a stand-down probe drafts, for as many
+    rows as exploration has, those least behind (the cheapest catch-up) that may still draft."""
+    policy, n = _policy(), 16
+    _teach(policy, 0.02)
+    policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))
+    behind = [300 - 10 * i for i in range(n)]  # the last rows are least behind ...
+    caps = np.full(n, 4)
+    caps[15] = 0  # ... but the last may not draft (its max_tokens is near)
+    asked = []
+    step = policy.begin_step("adaptive", np.full(n, 100), caps, 1, 4, lag=lambda: asked.append(1) or behind)
+    assert step.probe and step.best_m == 0 and step.budget == 1 and asked == [1]
+    assert step.rows == [13, 14] and step.max_keep.tolist() == [4 if i in (13, 14) else 0 for i in range(n)]
+    assert step.explore == [13, 14]  # and exploration verifies what they draft
+    step = policy.begin_step("adaptive", np.full(n, 100), caps, 1, 4, lag=lambda: asked.append(1) or behind)
+    assert not step.probe and step.budget == 0 and asked == [1]  # asked only at a stand-down probe
 
 
 def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it():
@@ -323,7 +364,7 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
         policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True)),
                             compiled=ops)
         _teach(policy, rng.uniform(0.3, 0.95), k=7)
-        policy.last_probe = 10**9  # no probe
+        policy.probes.hold()  # no probe
         tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(0, 1e-3),
                        d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05))
         if trial % 2:  # draft time as a fitted model has it: h and g tabled over n
@@ -355,7 +396,7 @@ def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
         policy = _policy(7)
         model = TimeModel(version=1, b0=2.0, b1=0.005, b2=1e-5, d0=0.05, d1=0.0005)
         policy.install(model)
-        policy.last_probe = 10**9  # no probe
+        policy.probes.hold()  # no probe
         kv, caps = rng.integers(10, 400, n), rng.integers(0, 8, n)
         step = policy.begin_step("adaptive", kv, caps, 1, 7)
         top, margin = rng.beta(8, 1, size=(n, 7)), rng.beta(4, 1, size=(n, 7))
@@ -425,7 +466,8 @@ def test_only_steps_that_may_stop_early_ask():
     assert policy.begin_step("static", kv, cap, 1, 4).early_stop(*buffers) is None
     step = policy.begin_step("adaptive", kv, cap, 1, 4)  # the first adaptive step probes
     assert step.probe and step.early_stop(*buffers) is None
-    policy.cold, policy.last_probe = False, policy.adaptive_steps
+    policy.cold = False
+    policy.probes.hold()
     step = policy.begin_step("adaptive", kv, cap, 1, 4)
     assert not step.probe and callable(step.early_stop(*buffers))
     oracle = policy.begin_step("oracle", kv, cap, 1, 4, np.ones((2, 4), dtype=np.int64))
@@ -441,7 +483,7 @@ def test_a_calibration_batch_of_steps_that_drafted_nothing_keeps_what_the_rates_
     policy._flush()  # what _teach left pending
     tm = TimeModel(version=1, b0=2.0, b1=0.05, b2=0.0, d0=0.3, d1=0.001)
     policy.install(tm)
-    policy.last_probe = 10**9  # no probe
+    policy.probes.hold()  # no probe
     policy.begin_step("adaptive", [100], [4], 1, 4)
     policy.begin_step("adaptive", [100] * 8, [4] * 8, 1, 4)
     one, terms = policy._one_row, dict(policy._budget_cache)

@@ -7,7 +7,7 @@ import numpy as np
 
 from controller.registry import (RECENT, SCHEDULE_MAX, STEADY_CATCHUP, WINDOW, ProfileRegistry, SampleColumns,
                                StepSample)
-from controller.time_model import TimeModel, fit
+from controller.time_model import TimeModel, fit, piecewise, piecewise_at
 
 
 def _samples(rng, m, b=(2.0, 0.05, 1e-4), spikes=0):
@@ -373,3 +373,20 @@ def test_draft_time_is_fitted_per_batch_size_first_step_and_further_steps_apart(
             assert abs(model.draft_step_ms(n) - g[n]) < 0.02 * g[n] + 0.01, (kind, n)
             assert abs(model.first_ms(n) - h[n]) < 0.05 * h[n] + 0.02, (kind, n)
         assert model.draft_ms(2, 3) > model.draft_ms(1, 3)  # between the knots: interpolated, non-decreasing
+
+
+def test_one_point_of_a_table_is_the_same_float_as_the_array_form():
+    """piecewise_at (the per-step scalar path) gives exactly piecewise's value: between knots,
+    on them, before the first and past the last (extrapolated), one knot or many."""
+    rng = np.random.default_rng(11)
+    for n_knots in (1, 2, 3, 7):
+        knots = tuple(2 ** i for i in range(n_knots))
+        values = tuple(np.cumsum(rng.uniform(0.01, 2.0, n_knots)).tolist())
+        points = [0, 0.5, *knots, *rng.uniform(0, 3 * knots[-1], 200).tolist(), 10 * knots[-1]]
+        for x in points:
+            assert piecewise_at(x, knots, values) == float(piecewise(x, knots, values)), (n_knots, x)
+    table = TimeModel(q_knots=(1, 2, 4, 8), q_ms=(1.0, 1.3, 1.9, 3.1), b2=1e-4, n_knots=(1, 2, 4), n_ms=(0.3, 0.35, 0.5),
+                      h_ms=(0.1, 0.12, 0.2))
+    for q in range(1, 40):
+        assert table.validate_ms_from(q, 100 * q) == float(table.validate_ms_at(np.array([q]), np.array([100 * q]))[0])
+        assert table.draft_ms(q, 3) == float(table.draft_ms_at(np.array([q]), np.array([3]))[0])

@@ -23,7 +23,7 @@ def _run(unsure_rate: float, steps: int = 600) -> SpecPolicy:
     """One draft position per step; the confident draft is always accepted, the others at unsure_rate."""
     policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=1, adaptive=AdaptiveConfig(enabled=True)))
     policy.install(MODEL)
-    policy.last_probe = 10**9  # no probes: every step drafts the one position
+    policy.probes.hold()  # no probes: every step drafts the one position
     rng = np.random.default_rng(0)
     top = np.array([[CONFIDENT[0]]] + [[UNSURE[0]]] * (N - 1))
     margin = np.array([[CONFIDENT[1]]] + [[UNSURE[1]]] * (N - 1))

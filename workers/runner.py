@@ -157,7 +157,8 @@ class ModelRunner:
         max_keep = [p.num_spec for p in plan.seqs]
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
-        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k))
+        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
+                                      lambda: [len(s.tokens) - s.draft_len for s in seqs])
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
@@ -206,12 +207,10 @@ class ModelRunner:
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.kv_tokens = n, sum(kv)
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
-        none = np.zeros((n, 0))
-        draft = DraftBlock(torch.zeros(n, 0, dtype=torch.long), none, none, 0, {}, none, none)
         keep = [0] * n
-        outputs = self._accept(plan, seqs, draft, [[]] * n, keep, [1] * n, hidden, logits, stats)
+        outputs = self._accept(plan, seqs, NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats)
         t0 = time.perf_counter()
-        self.policy.end_step(step, none, none, keep, keep)
+        self.policy.end_plain_step(step)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
             stats.trace = StepTrace(kv, step.max_keep.tolist(), [[]] * n, [[]] * n, [[]] * n, keep,
@@ -307,17 +306,22 @@ class ModelRunner:
         stats.accepted_per_position = above(accepted, draft.steps)
         stats.verified_per_position = above(keep, draft.steps)
         outputs = []
+        commit = self.proposer.commit if self.proposer is not None and draft.steps else None  # drafted nothing: no-op
         for i, (s, p, a, new, verified) in enumerate(zip(seqs, plan.seqs, accepted, emitted, lens)):
             s.tokens.extend(new)
             s.num_computed += a + 1
-            if self.proposer is not None:
-                self.proposer.commit(s, a, draft.steps_of(i))
-            outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, draft.steps_of(i)), verified=verified - 1,
-                                     accepted=a))
+            steps = draft.steps_of(i) if draft.steps else 0
+            if commit is not None:
+                commit(s, a, steps)
+            outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
         if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
             self.proposer.keep([p.seq_id for p in plan.seqs], hidden, [0, *accumulate(lens[:-1])],
                                [a + 1 for a in accepted], self.seqs.values())
         return outputs
+
+
+# what a step that drafted nothing hands the accept loop (it reads only `steps`)
+NO_DRAFTS = DraftBlock(torch.zeros(0, 0, dtype=torch.long), np.zeros((0, 0)), np.zeros((0, 0)), 0, {})
 
 
 def _rounded(a: np.ndarray) -> list[list[float]]:

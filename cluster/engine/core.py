@@ -172,16 +172,16 @@ class Engine:
             updates.append(self._append(seq, out.new_tokens))
         if plan.decode:
             step_ms = (time.perf_counter() - start) * 1e3
+            emitted = sum(len(u.new_token_ids) for u in updates)
             if self.time_models is not None:
                 # what drafting cost includes deciding on it: the early stops and the keep decision
                 draft_ms = st.draft_ms + st.draft_control_ms
                 other_ms = max(step_ms - draft_ms - st.validate_ms, 1e-3)
-                emitted = sum(len(u.new_token_ids) for u in updates)
                 self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
                                                     st.draft_steps, draft_ms, other_ms, emitted,
                                                     st.catchup_tokens, st.draft_seqs)])
             self.stats.decode_seq_ms += len(updates) * step_ms
-            self.stats.decode_tokens += sum(len(u.new_token_ids) for u in updates)
+            self.stats.decode_tokens += emitted
             if plan.trace:
                 self.tracer.write(plan, st, step_ms)
         return updates
