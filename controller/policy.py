@@ -99,14 +99,12 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, mode: str, kv, max_keep, version: int, k: int,
-                   oracle: np.ndarray | None = None, lag=None) -> SpecStep:
+                   oracle: np.ndarray | None = None) -> SpecStep:
         """The step's decisions (controller/step.py): kv, max_keep: (n,) context length and
         drafts each sequence may verify, lists of ints (or arrays; a list spares a small batch
         numpy's calls, each several microseconds between two forward passes, when the caches
         are cold); k: drafts the step may make (0: none); oracle: (n, k)
-        reference tokens after the last emitted one (-1 past the end), oracle mode only;
-        lag: lag() gives the tokens each sequence would catch up on before drafting, asked only
-        by a probe where drafting does not pay (it drafts the rows least behind; SpecStep).
+        reference tokens after the last emitted one (-1 past the end), oracle mode only.
 
         Probe steps: without them, positions the budget calls hopeless would never be
         drafted, and the estimates could never learn that they are not. A probe drafts one
@@ -128,7 +126,7 @@ class SpecPolicy:
             self.adaptive_steps += 1
             learning = self.cold and k > 0 and self.could_pay(model, len(kv), k)
             probe = self.probes.due(self.adaptive_steps, len(kv), cold=learning)
-        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, lag=lag)
+        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning)
 
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted) -> None:
         """The step's outcomes (as `observe`; verified, accepted: lists or arrays), and the probe

@@ -34,7 +34,7 @@ class SpecStep:
                  "one_row_ok", "_caps", "max_keep_list", "kmax", "best_m", "budget")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
-                 oracle: np.ndarray | None, k: int, cold_start: bool = False, lag=None):
+                 oracle: np.ndarray | None, k: int, cold_start: bool = False):
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, mode, probe, model, oracle
         self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         n = len(kv)
@@ -60,26 +60,13 @@ class SpecStep:
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
         if mode == "adaptive" and probe and self.best_m == 0 and self.budget:  # a stand-down probe
-            self.rows = self._explore = self._probe_rows(lag)
+            self.rows = self._explore = self.explore if self.explore else [self._first % n]
             caps = np.zeros_like(self.max_keep)
             caps[self.rows] = self.max_keep[self.rows]
             self._set_caps(caps)
             self._hg = None  # h(n) and g(n) of the rows that draft
             if not self.kmax:
                 self.budget, self.rows = 0, None
-
-    def _probe_rows(self, lag) -> list[int]:
-        """A stand-down probe's rows: as many as exploration verifies (one in EXPLORE_EVERY, at
-        least one). With lag (lag(): the tokens each sequence would catch up on before its first
-        draft), those of the rows that may draft that are least behind, the cheapest to draft: a
-        row that had not drafted for 100-260 steps made a probe's draft 3-6 ms at batch 8.
-        Without, exploration's rotating rows."""
-        explore, n = self.explore, len(self.kv)
-        if lag is None:
-            return explore if explore else [self._first % n]
-        caps, behind = self.max_keep.tolist(), lag()
-        least = sorted((behind[i], i) for i in range(n) if caps[i] > 0)[:max(1, len(explore))]
-        return sorted(i for _, i in least)
 
     def _set_caps(self, max_keep) -> None:
         """max_keep: (n,) drafts each sequence may verify, a list or an array. Small batches

@@ -297,24 +297,6 @@ def test_a_stand_down_probe_drafts_for_the_explored_rows_alone():
     assert policy.probes.every_at(16) == 2 * PROBE_EVERY  # and the probes back off
 
 
-def test_a_stand_down_probe_drafts_for_the_rows_least_behind():
-    """Given how far behind each sequence's draft is, a stand-down probe drafts, for as many
-    rows as exploration has, those least behind (the cheapest catch-up) that may still draft."""
-    policy, n = _policy(), 16
-    _teach(policy, 0.02)
-    policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))
-    behind = [300 - 10 * i for i in range(n)]  # the last rows are least behind ...
-    caps = np.full(n, 4)
-    caps[15] = 0  # ... but the last may not draft (its max_tokens is near)
-    asked = []
-    step = policy.begin_step("adaptive", np.full(n, 100), caps, 1, 4, lag=lambda: asked.append(1) or behind)
-    assert step.probe and step.best_m == 0 and step.budget == 1 and asked == [1]
-    assert step.rows == [13, 14] and step.max_keep.tolist() == [4 if i in (13, 14) else 0 for i in range(n)]
-    assert step.explore == [13, 14]  # and exploration verifies what they draft
-    step = policy.begin_step("adaptive", np.full(n, 100), caps, 1, 4, lag=lambda: asked.append(1) or behind)
-    assert not step.probe and step.budget == 0 and asked == [1]  # asked only at a stand-down probe
-
-
 def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it():
     """At batch 1 (its OneRow decides) exploration falls on the one sequence every
     EXPLORE_EVERY-th adaptive step: that step verifies every draft made, whatever the rule
