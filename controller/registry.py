@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,10 +35,10 @@ SAME_FIT = 0.05  # a scheduled refit whose model predicts the recent steps withi
 SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every
 
 
-@dataclass(frozen=True)
-class StepSample:
+class StepSample(NamedTuple):
     """One measured decode step (rank 0's clock), or one sweep point: a validate point has
-    draft_steps == 0, a draft point has q_tokens == 0."""
+    draft_steps == 0, a draft point has q_tokens == 0. A named tuple: the engine makes one
+    every step, and a frozen dataclass's construction cost a batch-8 step about 4.6 us."""
 
     num_seqs: int
     q_tokens: int  # sum of q_i
@@ -59,7 +60,7 @@ class StepSample:
         return [1.0, float(self.q_tokens), float(self.kv_tokens)]
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(StepSample))
+FIELDS = StepSample._fields
 (NUM_SEQS, Q_TOKENS, KV_TOKENS, VALIDATE_MS, DRAFT_STEPS, DRAFT_MS, OTHER_MS, EMITTED, CATCHUP_TOKENS,
  DRAFT_SEQS) = range(len(FIELDS))
 
@@ -84,7 +85,8 @@ class SampleColumns:
         their rows (the last `size` of them)."""
         if not samples:
             return self._rows[:0]
-        block = np.array([tuple(vars(s).values()) for s in samples[-self.size:]], dtype=np.float64)  # fields in order
+        kept = samples[-self.size:]  # a row per sample, its fields in order (fromiter: a third of np.array's time)
+        block = np.fromiter(chain.from_iterable(kept), np.float64, len(kept) * len(FIELDS)).reshape(len(kept), -1)
         at = (self.count + len(samples) - len(block)) % self.size
         first = min(len(block), self.size - at)
         self._rows[at:at + first] = block[:first]

@@ -1,7 +1,6 @@
 """The validate-time model fit and the profile registry's refits."""
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
@@ -111,7 +110,7 @@ def test_refit_reads_the_columns_as_the_samples_say():
     sweep = _samples(rng, 30) + [StepSample(4, 0, 0, 0.0, 2, 1.1)]  # a sweep draft point
     online = []
     for i, s in enumerate(_samples(rng, 300)):
-        online.append(dataclasses.replace(s, draft_steps=i % 3, draft_seqs=i % 4, catchup_tokens=(i * 7) % 90,
+        online.append(s._replace(draft_steps=i % 3, draft_seqs=i % 4, catchup_tokens=(i * 7) % 90,
                                           other_ms=(i % 5) * 0.1, emitted=i % 6, draft_ms=0.3 + 0.01 * i))
     reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1), sweep=sweep)
     reg.add(online)
@@ -120,7 +119,7 @@ def test_refit_reads_the_columns_as_the_samples_say():
     overhead = reg.draft_overhead()  # online draft times over the sweep's, beyond speed
     assert overhead != 1.0
     # scaled as the registry scales them, one factor (speed * overhead), or the last bit may differ
-    data = [dataclasses.replace(s, validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * (speed * overhead))
+    data = [s._replace(validate_ms=s.validate_ms * speed, draft_ms=s.draft_ms * (speed * overhead))
             for s in sweep] + online
     validated = [s for s in data if s.q_tokens > 0]
     steady = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
@@ -140,14 +139,14 @@ def test_a_sweep_taken_at_a_slow_moment_is_rescaled_by_the_online_steps():
     model's error is measured against its error on the sweep) and rescales the sweep: its draft
     step is the machine's of now, not twice it. Without the rescale the refit would keep 2x."""
     rng = np.random.default_rng(7)
-    slow = [dataclasses.replace(s, validate_ms=2 * s.validate_ms, draft_steps=0, draft_ms=0.0)
+    slow = [s._replace(validate_ms=2 * s.validate_ms, draft_steps=0, draft_ms=0.0)
             for s in _samples(rng, 40)]
     slow += [StepSample(n, 0, 0, 0.0, 1, 2 * (0.5 + 0.01 * n)) for n in (1, 4, 16, 64)]
     first = ProfileRegistry().seed(slow).model  # as the engine starts: the sweep's fit, then a registry on both
     assert abs(first.draft_step_ms(1) - 2 * 0.51) < 0.05
     reg = ProfileRegistry(refit_every=256, initial=first, sweep=slow)
     assert reg.sweep_speed() == 1.0  # no online steps yet
-    plain = [dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 64)]
+    plain = [s._replace(draft_steps=0, draft_ms=0.0) for s in _samples(rng, 64)]
     refits = [i for i, s in enumerate(plain, 1) if reg.add([s]) is not None]
     assert refits and refits[0] == RECENT  # the validate error (about 50%) calls a drift refit
     assert 0.45 < reg.sweep_speed() < 0.55
@@ -263,7 +262,7 @@ def test_the_first_draft_step_is_told_apart_and_the_engine_s_draft_cost_outlives
     Without it the refit went back to the sweep's 1.4x too cheap draft, and batch 8 drafted
     again."""
     rng = np.random.default_rng(3)
-    sweep = [dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)]
+    sweep = [s._replace(draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)]
     sweep += [StepSample(n, 0, 0, 0.0, m, _draft_law(n, m, 1 / 1.4), catchup_tokens=2 * n)
               for n in (1, 4, 16, 32) for m in (1, 5)]
     for kind in ("linear", "table"):
@@ -280,7 +279,7 @@ def test_the_first_draft_step_is_told_apart_and_the_engine_s_draft_cost_outlives
         assert all(abs(model.first_ms(n) - 0.25) < 0.03 for n in (1, 8, 32)), kind
         assert abs(model.draft_ms(8, 3) - _draft_law(8, 3)) < 0.05, kind
         assert model.draft_ms(8, 0) == 0.0
-        reg.add([dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, WINDOW)])
+        reg.add([s._replace(draft_steps=0, draft_ms=0.0) for s in _samples(rng, WINDOW)])
         assert not any(s.draft_steps for s in reg.online)
         model = reg.refit().model
         assert abs(reg.draft_overhead() - 1.4) < 0.05, kind
@@ -294,7 +293,7 @@ def test_the_draft_overhead_sets_each_draft_step_against_its_own_validate_time()
     speed of the latest steps (the fast ones) it read 1.4 x 1.6 / 0.8 = 2.8, and the budget
     would stand down where drafting pays."""
     rng = np.random.default_rng(5)
-    sweep = [dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)]
+    sweep = [s._replace(draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)]
     sweep += [StepSample(n, 0, 0, 0.0, m, _draft_law(n, m), catchup_tokens=2 * n)
               for n in (1, 4, 16, 32) for m in (1, 5)]
     reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1))
@@ -305,7 +304,7 @@ def test_the_draft_overhead_sets_each_draft_step_against_its_own_validate_time()
         m = int(rng.integers(1, 6))
         drafting.append(StepSample(s.num_seqs, s.q_tokens, s.kv_tokens, slow * s.validate_ms, m,
                                    slow * 1.4 * _draft_law(s.num_seqs, m), 0.3, s.num_seqs))
-    plain = [dataclasses.replace(s, validate_ms=fast * s.validate_ms, draft_steps=0, draft_ms=0.0)
+    plain = [s._replace(validate_ms=fast * s.validate_ms, draft_steps=0, draft_ms=0.0)
              for s in _samples(rng, 600)]
     reg.add(drafting + plain)
     assert abs(reg.sweep_speed() - fast) < 0.05  # the latest steps: the fast stretch
@@ -340,7 +339,7 @@ def test_a_probe_that_drafted_for_a_few_rows_is_fitted_at_their_count():
     rng = np.random.default_rng(5)
     for kind in ("linear", "table"):
         reg = ProfileRegistry(refit_every=1000, initial=TimeModel(version=1), kind=kind)
-        reg.seed([dataclasses.replace(s, draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)])  # validations
+        reg.seed([s._replace(draft_steps=0, draft_ms=0.0) for s in _samples(rng, 30)])  # validations
         online = []
         for i, s in enumerate(_samples(rng, 300)):
             n, m = s.num_seqs, int(rng.integers(1, 4))

@@ -150,4 +150,4 @@ def stale_fields(data: dict, want: dict) -> list[str]:
 def save(path: Path, report: FitReport, samples: list[StepSample], ident: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"identity": ident, "model": asdict(report.model), "mae_ms": report.mae_ms,
-                                "mape": report.mape, "samples": [asdict(s) for s in samples]}, indent=1))
+                                "mape": report.mape, "samples": [s._asdict() for s in samples]}, indent=1))
