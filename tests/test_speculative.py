@@ -79,17 +79,21 @@ def test_tp16_matches_tp1(ray_session, sharegpt_prompts, reference):
         engine.shutdown()
 
 
-def test_hidden_log_gives_back_each_sequence_s_rows():
+@pytest.mark.parametrize("block_rows", [4096, 64])
+def test_hidden_log_gives_back_each_sequence_s_rows(block_rows):
     """Sequences' rows interleaved in each forward's output (some a run of rows, some one, a
     sequence absent from some forwards): read back from any entry on, across trims, they are
-    the rows added; a trim keeps every entry from the oldest one a live sequence reads."""
+    the rows added; a trim keeps every entry from the oldest one a live sequence reads. With
+    small blocks the outputs fill block after block, the emptied ones are reused, and the
+    larger outputs are kept as they are."""
     from types import SimpleNamespace
 
     import torch
 
     from workers.hidden_log import TRIM_EVERY, HiddenLog
 
-    log, gen = HiddenLog(), torch.Generator().manual_seed(0)
+    log, gen = HiddenLog(block_rows), torch.Generator().manual_seed(0)
+    reused = set()
     seqs = [SimpleNamespace(seq_id=10 + i, hidden_step=0, rows=[]) for i in range(3)]
     for step in range(5 * TRIM_EVERY + 3):
         present = [s for i, s in enumerate(seqs) if (step + i) % 5]  # each sits out one forward in five
@@ -105,9 +109,17 @@ def test_hidden_log_gives_back_each_sequence_s_rows():
             s.hidden_step, s.rows = log.end, []
         oldest = min(s.hidden_step for s in seqs)
         log.trim(seqs)
+        reused |= {id(b) for b in log._spare}
+        assert all(not b.readers for b in log._spare)  # only blocks no entry reads are kept for reuse
+        for s in seqs:  # what every sequence holds, intact after every step (a block reused too soon would not be)
+            if s.rows:
+                assert torch.equal(torch.cat(log.rows(s.seq_id, s.hidden_step)), torch.cat(s.rows))
         assert log.first <= oldest and (log.first == oldest or (step + 1) % TRIM_EVERY)  # trimmed every TRIM_EVERY
     for s in seqs:
         assert torch.equal(torch.cat(log.rows(s.seq_id, s.hidden_step)), torch.cat(s.rows))
+    blocks = {id(e[5]) for e in log.entries if e[5] is not None}
+    assert blocks and (block_rows > 100 or blocks & reused)  # small blocks: some held now were reused
+    assert block_rows > 100 or any(e[5] is None for e in log.entries)  # outputs over 8 rows kept as they are
 
 
 def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):

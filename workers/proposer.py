@@ -132,7 +132,8 @@ class MTPProposer(Proposer):
         self.log.trim(live)
 
     def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
-        seq.hidden_step, seq.hidden_head = self.log.end, head
+        # a copy: head may be rows of the log's blocks, which are reused once trimmed
+        seq.hidden_step, seq.hidden_head = self.log.end, None if head is None else head.clone()
 
     def hidden(self, seq: SeqState) -> torch.Tensor:
         parts = self.log.rows(seq.seq_id, seq.hidden_step)
