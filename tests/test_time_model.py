@@ -1,7 +1,6 @@
 """The validate-time model fit and the profile registry's refits."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from controller.registry import (RECENT, SCHEDULE_MAX, STEADY_CATCHUP, WINDOW, ProfileRegistry, SampleColumns,
