@@ -90,11 +90,12 @@ class DecoderModel(Module):
         self.layers = nn.ModuleList([self.layer_class(arch, tp, i) for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache]) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache],
+                out: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
         x = self.embed_tokens(ids)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, batch, cache)
-        return self.norm(x)  # (T, H): the hidden state the head and the MTP module read
+        return self.norm(x, out)  # (T, H): the hidden state the head and the MTP module read
 
 
 class CausalLM(Module):
@@ -111,8 +112,11 @@ class CausalLM(Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache]) -> torch.Tensor:
-        return self.model(ids, batch, caches)
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache],
+                out: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """The final hidden states (T, H); out: (rows, first): written into rows[first:first + T]
+        instead of a new tensor (the rows the MTP's hidden log reserved, HiddenLog.reserve)."""
+        return self.model(ids, batch, caches, out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (N, V)

@@ -20,15 +20,20 @@ class RMSNorm(Module):
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(full)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """out: (rows, first): the result goes into rows[first:first + len(x)], and is that view."""
         ops = kernels.ops_for(x, self.weight) if x.dim() == 2 else None
         if ops is not None:
-            return ops.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps) if out is None else ops.rms_norm(x, self.weight, self.eps,
+                                                                                            *out)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
-        # normalise in float32, then scale in the weights' dtype (as transformers does)
-        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return normed.to(x.dtype) * self.weight
+            y = nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
+        else:  # normalise in float32, then scale in the weights' dtype (as transformers does)
+            y = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        if out is None:
+            return y
+        rows, first = out
+        return rows[first:first + len(y)].copy_(y)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from models import kernels
-from models.layers import RotaryEmbedding
+from models.layers import RMSNorm, RotaryEmbedding
 
 
 @pytest.mark.parametrize("n,k", [(768, 256), (100, 70), (17, 5), (4096, 32)])
@@ -54,6 +54,23 @@ def test_rms_norm(ops):
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (256,), w, 1e-5), rtol=1e-5, atol=1e-5)
     strided = torch.randn(9, 512)[:, :256]  # rows need not be packed together
     torch.testing.assert_close(ops.rms_norm(strided, w, 1e-5), F.rms_norm(strided, (256,), w, 1e-5))
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_rms_norm_into_given_rows(ops, monkeypatch, kernels_on):
+    """RMSNorm with `out` (the MTP's hidden log): the same values, written into exactly the
+    rows asked for and returned as that view; rows past the end are refused."""
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "ops_for", lambda *t: None)
+    norm = RMSNorm(256, 1e-5)
+    norm.weight.data.copy_(torch.randn(256))
+    x, rows = torch.randn(9, 256), torch.zeros(20, 256)
+    y = norm(x, (rows, 5))
+    torch.testing.assert_close(y, F.rms_norm(x, (256,), norm.weight, 1e-5), rtol=1e-5, atol=1e-5)
+    assert y.data_ptr() == rows[5].data_ptr() and torch.equal(rows[5:14], y)
+    assert not rows[:5].any() and not rows[14:].any()
+    with pytest.raises((RuntimeError, ValueError)):
+        norm(x, (rows, 12))
 
 
 def test_rotary_in_place_matches_torch(ops, monkeypatch):

@@ -79,13 +79,15 @@ def test_tp16_matches_tp1(ray_session, sharegpt_prompts, reference):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("block_rows", [4096, 64])
-def test_hidden_log_gives_back_each_sequence_s_rows(block_rows):
+def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
     """Sequences' rows interleaved in each forward's output (some a run of rows, some one, a
     sequence absent from some forwards): read back from any entry on, across trims, they are
     the rows added; a trim keeps every entry from the oldest one a live sequence reads. With
     small blocks the outputs fill block after block, the emptied ones are reused, and the
-    larger outputs are kept as they are."""
+    larger outputs are kept as they are. in_place: each output is written where `reserve`
+    says, as the target's forward does, and kept there without a copy."""
     from types import SimpleNamespace
 
     import torch
@@ -93,14 +95,21 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows):
     from workers.hidden_log import TRIM_EVERY, HiddenLog
 
     log, gen = HiddenLog(block_rows), torch.Generator().manual_seed(0)
-    reused = set()
+    reused, as_is = set(), 0
     seqs = [SimpleNamespace(seq_id=10 + i, hidden_step=0, rows=[]) for i in range(3)]
     for step in range(5 * TRIM_EVERY + 3):
         present = [s for i, s in enumerate(seqs) if (step + i) % 5]  # each sits out one forward in five
-        counts = [1 + (step + i) % 3 for i in range(len(present))]
-        firsts = [sum(counts[:i]) + i for i in range(len(present))]  # a rejected draft's row after each
-        h = torch.randn(sum(counts) + len(present), 4, generator=gen)
+        counts = [1 + (step + i) % 3 + 4 * (step % 11 == 0) for i in range(len(present))]  # now and then > 8 rows
+        gaps = [(step + i) % 2 for i in range(len(present))]  # a rejected draft's row after some
+        firsts = [sum(counts[:i]) + sum(gaps[:i]) for i in range(len(present))]
+        h = torch.randn(sum(counts) + sum(gaps), 4, generator=gen)
+        out = log.reserve(len(h)) if in_place else None
+        if out is not None:  # the forward's output, written into the rows the log reserved
+            h = out[0][out[1]:out[1] + len(h)].copy_(h)
         log.add(h, [s.seq_id for s in present], firsts, counts)
+        kept = log.entries[-1][0].data_ptr() == h.data_ptr()
+        assert kept == (out is not None or len(h) > block_rows // 8)
+        as_is += log.entries[-1][5] is None
         for s, first, count in zip(present, firsts, counts):
             s.rows.append(h[first:first + count].clone())
         if step % 7 == 6:  # one sequence drafts: reads all it holds, then holds nothing
@@ -119,7 +128,8 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows):
         assert torch.equal(torch.cat(log.rows(s.seq_id, s.hidden_step)), torch.cat(s.rows))
     blocks = {id(e[5]) for e in log.entries if e[5] is not None}
     assert blocks and (block_rows > 100 or blocks & reused)  # small blocks: some held now were reused
-    assert block_rows > 100 or any(e[5] is None for e in log.entries)  # outputs over 8 rows kept as they are
+    assert block_rows > 100 or as_is  # outputs over 8 rows kept as they are
+    assert not in_place or log.reserve(1) is not None  # reserved once the first output gave the rows' shape
 
 
 def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):

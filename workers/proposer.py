@@ -73,6 +73,11 @@ class Proposer:
         firsts[i] + counts[i] - 1; live: every sequence on this rank (SeqState). Only the MTP module
         reads them."""
 
+    def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:
+        """Where the next target forward of n rows should write its output (CausalLM.forward's `out`),
+        to be handed to `keep`; None: anywhere."""
+        return None
+
     def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
         """seq's hiddens start here (a new sequence, or one made to draft from hidden_start with
         `head`'s rows: a fork, the timing sweep)."""
@@ -130,6 +135,9 @@ class MTPProposer(Proposer):
     def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live) -> None:
         self.log.add(hidden, ids, firsts, counts)
         self.log.trim(live)
+
+    def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:
+        return self.log.reserve(n)
 
     def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
         # a copy: head may be rows of the log's blocks, which are reused once trimmed

@@ -105,7 +105,7 @@ class ModelRunner:
         batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
                                 self.device)
         ids = torch.tensor([t for p in plan.seqs for t in p.prefill], device=self.device)
-        hidden = self.target(ids, batch, self.cache)  # (T, H)
+        hidden = self.target(ids, batch, self.cache, self._out_rows(sum(lens)))
         stats.num_tokens = len(ids)
         last = [i for i, p in enumerate(plan.seqs) if p.prefill_last]
         logits = self.target.logits(hidden[batch.last_index[last]]).cpu() if last else None
@@ -176,7 +176,7 @@ class ModelRunner:
         drafted = draft.tokens.tolist()  # (n, m) as lists: per-sequence work below stays in Python, not torch
         ids = torch.tensor([t for s, d, n in zip(seqs, drafted, lens) for t in [s.tokens[-1]] + d[:n - 1]],
                            device=self.device)
-        hidden = self.target(ids, batch, self.cache)
+        hidden = self.target(ids, batch, self.cache, self._out_rows(sum(lens)))
         logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps, stats.catchup_tokens = len(ids), draft.steps, draft.catchup_tokens
@@ -201,7 +201,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         batch = AttnBatch.build(kv, [1] * n, [s.block_table for s in seqs], self.block_size, self.device)
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
-        hidden = self.target(ids, batch, self.cache)
+        hidden = self.target(ids, batch, self.cache, self._out_rows(n))
         logits = self.target.logits(hidden).cpu()
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.kv_tokens = n, sum(kv)
@@ -215,6 +215,10 @@ class ModelRunner:
             stats.trace = StepTrace(kv, step.max_keep.tolist(), [[]] * n, [[]] * n, [[]] * n, keep,
                                     [0] * n, step.probe)
         return outputs
+
+    def _out_rows(self, n: int) -> tuple[torch.Tensor, int] | None:
+        """Where a target forward of n rows writes its output: the rows the proposer keeps it in, if any."""
+        return self.proposer.reserve(n) if self.proposer is not None else None
 
     def _draft(self, seqs: list[SeqState], params: list[SamplingParams], step, trace: bool) -> DraftBlock:
         """step.budget draft positions for step.rows (every sequence when None). Greedy

@@ -226,7 +226,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias);
 
 // elementwise.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const c10::optional<torch::Tensor>& out, int64_t out_row);
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& top, torch::Tensor& margin);
@@ -242,7 +243,8 @@ void bind_many_rows(py::module& m);
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row", nogil());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (into rows of out when given)", nogil(), py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("out") = py::none(), py::arg("out_row") = 0);
   m.def("rotary_", &rotary_, "neox rotary embedding, in place", nogil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil());
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index", nogil());

@@ -26,13 +26,23 @@ int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<in
 
 }  // namespace
 
-// y = x / sqrt(mean(x^2) + eps) * weight, per row of x (T, H).
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+// y = x / sqrt(mean(x^2) + eps) * weight, per row of x (T, H). With `out`, y is written into its rows
+// out_row .. out_row + T - 1 and is that view (the MTP's hidden log, which then copies nothing).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const c10::optional<torch::Tensor>& out, int64_t out_row) {
   check_rows(x, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == torch::kFloat32,
               "weight must hold H contiguous floats");
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
-  auto y = torch::empty({T, H}, x.options());
+  torch::Tensor y;
+  if (out.has_value()) {
+    check_rows(*out, "out");
+    TORCH_CHECK(out->is_contiguous() && out->size(1) == H && out_row >= 0 && out_row + T <= out->size(0),
+                "out must be contiguous with rows out_row .. out_row + T - 1 of H floats");
+    y = out->narrow(0, out_row, T);
+  } else {
+    y = torch::empty({T, H}, x.options());
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
