@@ -95,6 +95,9 @@ class BenchConfig:
     serve_clients: list = field(default_factory=lambda: [1, 16, 64])  # closed-loop points, after the rates
     serve_client_rounds: int = 5  # interleaved rounds per closed-loop point (medians; ratios round by round)
     serve_rate_rounds: int = 3  # interleaved rounds per Poisson rate point (medians; ratios round by round)
+    # servers (processes) per arm of ours; round j of a rate measures an arm on its server j % serve_replicas, so
+    # what separates two processes of the same code (about 1% here) averages out instead of staying in every ratio
+    serve_replicas: int = 1
 
 
 @dataclass
@@ -121,7 +124,7 @@ CHOICES = {
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
             "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes", "serve.max_n",
             "bench.rounds", "bench.num_prompts", "bench.output_len", "bench.serve_requests", "bench.max_output_len",
-            "bench.serve_client_rounds", "bench.serve_rate_rounds")
+            "bench.serve_client_rounds", "bench.serve_rate_rounds", "bench.serve_replicas")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

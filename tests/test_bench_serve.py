@@ -190,6 +190,44 @@ def test_a_round_runs_its_requests_in_blocks_every_arm_on_each_block_in_turn(mon
                                                                                for p in points)
 
 
+def test_a_rate_round_takes_each_arm_on_its_servers_in_turn(monkeypatch):
+    """bench.serve_replicas: round j measures an arm on its server j % replicas, every arm
+    once per round (a peer with one server on it every round), merged per arm with the
+    server of each round."""
+    import random
+    from types import SimpleNamespace
+
+    import cluster.bench.serving as serving
+    from cluster.bench.serving import Target, rate_sweep
+
+    calls = []
+
+    def fake(target, specs, rate, seed, fraction=None, api_key=None):
+        calls.append((target.arm, target.replica, fraction))
+        return {"arm": target.arm, "rate": rate, "rate_fraction": fraction, "completed": 1, "errors": 0,
+                "error_examples": [], "output_tok_per_s": 10.0 * (1 + target.replica), "request_per_s": 1.0,
+                "wall_s": 1.0, "ttft_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
+                "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "itl_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
+                "texts": ["x"]}
+
+    monkeypatch.setattr(serving, "measure", fake)
+    targets = [Target(arm, f"u/{arm}/{r}", None, replica=r) for arm in ("nospec", "adaptive-7") for r in range(3)]
+    targets.append(Target("vllm-nospec", "v", "m"))
+    bench = SimpleNamespace(serve_rates=[0.5, 1.0], serve_rate_rounds=4, seed=0)
+    points, every = rate_sweep(bench, targets, [], 10.0, random.Random(0))
+    assert len(calls) == 2 * 4 * 3  # two rates, four rounds, three arms
+    for i in range(8):  # round i % 4 of rate i // 4: every arm once, ours on server (i % 4) % 3
+        got = calls[3 * i:3 * i + 3]
+        assert sorted(a for a, _, _ in got) == ["adaptive-7", "nospec", "vllm-nospec"]
+        assert {r for a, r, _ in got if a != "vllm-nospec"} == {(i % 4) % 3}
+    assert sorted(p["arm"] for p in points) == sorted(["nospec", "adaptive-7", "vllm-nospec"] * 2)
+    for p in points:
+        ours = p["arm"] != "vllm-nospec"
+        assert p["replicas"] == ([0, 1, 2, 0] if ours else [0, 0, 0, 0])
+        assert p["rounds"] == ([10.0, 20.0, 30.0, 10.0] if ours else [10.0] * 4)
+    assert len(every) == 24 and all("replica" in p for p in every)
+
+
 def test_serve_arm_names():
     assert arm_overrides("adaptive-7")[-2:] == ["speculative.num_speculative_tokens=7",
                                                 "speculative.adaptive.enabled=true"]

@@ -71,7 +71,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
     """One point (closed-loop, or a Poisson rate) from its rounds: the median over rounds of the throughput and
     of each latency percentile, completions and errors summed, and every round's
     throughput (`rounds`), so ratios between runners can be taken round by round."""
-    out = {key: value for key, value in rounds[0].items() if key != "texts"}
+    out = {key: value for key, value in rounds[0].items() if key not in ("texts", "replica")}
+    if "replica" in rounds[0]:  # which of the arm's servers measured each round
+        out["replicas"] = [p["replica"] for p in rounds]
     for key in ("output_tok_per_s", "request_per_s"):
         out[key] = round(float(np.median([p[key] for p in rounds])), 3)
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):

@@ -24,7 +24,9 @@ def markdown(result: dict) -> str:
     rounds = max([len(p.get("rounds") or [1]) for p in result["points"]] or [1])
     notes = [f"- {result['requests']} held-out ShareGPT requests per point (mean max_tokens "
              f"{result['mean_max_tokens']}), greedy, EOS honoured, streamed; Poisson arrivals, seeded; "
-             f"{rounds} interleaved round(s) per rate, throughput and latency percentiles their medians",
+             f"{rounds} interleaved round(s) per rate, throughput and latency percentiles their medians"
+             + (f"; each of our arms on {result['replicas']} servers (processes), round j on server "
+                f"j % {result['replicas']}" if result.get("replicas", 1) > 1 else ""),
              f"- saturation ({s['arm']}, every request at once): {s['request_per_s']} req/s, "
              f"{s['output_tok_per_s']} output tok/s",
              f"- our arms streamed the same greedy text as the saturation run: **{result['outputs_identical']}**; "

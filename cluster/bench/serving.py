@@ -7,11 +7,13 @@ of the plain-decoding saturation, measured first with every request sent at once
     adaspec bench-serve --config yamls/bench.yaml --url http://127.0.0.1:8000 --out out/other
 
 Arms (bench.serve_arms): our server (`adaspec serve`'s Ray Serve app) in each
-configuration, one application per arm under its own route prefix, all started first;
+configuration, one application per arm under its own route prefix (bench.serve_replicas
+of them per arm), all started first;
 with bench.vllm_python set, also vLLM's OpenAI server on the same checkpoint
 (bench.serve_vllm_arms). At every rate the arms take turns in bench.serve_rate_rounds
 rounds, in an order shuffled (seeded) round by round, on the same requests and the same
-arrival times (a point: the medians over rounds; `rate_sweep`); every arm's processes,
+arrival times (a point: the medians over rounds; `rate_sweep`), round j on an arm's
+server j % bench.serve_replicas; every arm's processes,
 ours and vLLM's alike, are stopped (SIGSTOP) while the others are measured, and after a
 vLLM arm the next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`). `--url` measures one
 running OpenAI-compatible server instead. Writes serve.json, serve.md and serve.png.
@@ -51,6 +53,7 @@ class Target:
     model: str | None
     settle_s: float = 0.0  # untimed pause after measuring it (a peer that keeps polling)
     server: object = None  # its processes, stopped between its measurements (vllm_peer.Pausable)
+    replica: int = 0  # which of the arm's servers (bench.serve_replicas)
 
 
 def arm_overrides(arm: str) -> list[str]:
@@ -138,9 +141,11 @@ PAUSED_HEALTH_CHECK_TIMEOUT_S = 24 * 3600.0  # a replica stopped while other arm
 
 
 class OurServers:
-    """One Ray Serve application per arm (the app `adaspec serve` runs), route prefix /<arm>."""
+    """`replicas` Ray Serve applications per arm (the app `adaspec serve` runs), each a process of its
+    own: route prefix /<arm>, then /<arm>.r1, /<arm>.r2, ..."""
 
-    def __init__(self, cfg, config: str | None, overrides: list[str], arms: list[str], trace: str | None):
+    def __init__(self, cfg, config: str | None, overrides: list[str], arms: list[str], trace: str | None,
+                 replicas: int = 1):
         from ray import serve
 
         from cluster.engine.ray_env import ensure_ray
@@ -155,18 +160,19 @@ class OurServers:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.targets = []
         config = resolve_config_path(config)
-        for arm in tqdm(arms, desc="starting our servers", mininterval=2):
+        apps = [(arm, r, arm if r == 0 else f"{arm}.r{r}") for arm in arms for r in range(replicas)]
+        for arm, r, app in tqdm(apps, desc="starting our servers", mininterval=2):
             extra = arm_overrides(arm)
             if trace:
                 t = Path(trace)
-                extra += [f"engine.trace_path={t.with_name(f'{t.stem}.{arm}{t.suffix}')}", f"engine.trace_label={arm}"]
+                extra += [f"engine.trace_path={t.with_name(f'{t.stem}.{app}{t.suffix}')}", f"engine.trace_label={app}"]
             serve.run(build_app({"config": config, "overrides": list(overrides) + extra},
-                                health_check_timeout_s=PAUSED_HEALTH_CHECK_TIMEOUT_S), name=arm,
-                      route_prefix=f"/{arm}", blocking=False)
-            url = ingress.app_url(arm, f"/{arm}", f"http://127.0.0.1:{port}")
-            self.targets.append(Target(arm, url, served_model_name(cfg)))
-        for t in self.targets:  # each arm's processes, stopped between its measurements (`running`)
-            t.server = PausablePids(_replica_pids(t.arm))
+                                health_check_timeout_s=PAUSED_HEALTH_CHECK_TIMEOUT_S), name=app,
+                      route_prefix=f"/{app}", blocking=False)
+            url = ingress.app_url(app, f"/{app}", f"http://127.0.0.1:{port}")
+            self.targets.append(Target(arm, url, served_model_name(cfg), replica=r))
+        for t, (_, _, app) in zip(self.targets, apps):  # each server's processes, stopped between its measurements
+            t.server = PausablePids(_replica_pids(app))
 
     def close(self) -> None:
         import ray
@@ -221,7 +227,7 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
         if url:
             targets = [Target("url", url.rstrip("/"), None)]
         else:
-            ours = OurServers(cfg, config, overrides, list(bench.serve_arms), trace)
+            ours = OurServers(cfg, config, overrides, list(bench.serve_arms), trace, bench.serve_replicas)
             targets += ours.targets
             if bench.vllm_python:
                 peers = vllm_servers(cfg, out_dir)
@@ -239,7 +245,8 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
         sat_rps = saturation["request_per_s"]
         rng = random.Random(bench.seed)
         points, rate_rounds = rate_sweep(bench, targets, specs, sat_rps, rng)
-        client_points, client_rounds = closed_loop(cfg, config, overrides, targets, specs, ours is not None, rng)
+        firsts = [t for t in targets if t.replica == 0]  # the closed-loop points take each arm's first server
+        client_points, client_rounds = closed_loop(cfg, config, overrides, firsts, specs, ours is not None, rng)
         identical = compare_texts(saturation, rate_rounds + client_rounds)
     finally:
         for s in peers:
@@ -248,7 +255,8 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
             ours.close()
     for p in [saturation] + points + client_points:
         p.pop("texts", None)
-    result = {"config": cfg.to_dict(), "url": url, "arms": [t.arm for t in targets], "requests": len(specs),
+    result = {"config": cfg.to_dict(), "url": url, "arms": list(dict.fromkeys(t.arm for t in targets)),
+              "replicas": bench.serve_replicas if ours is not None else 1, "requests": len(specs),
               "outputs_identical": all(v["identical"] for a, v in identical.items() if not a.startswith("vllm")),
               "texts_vs_base": identical,
               "mean_max_tokens": round(float(np.mean([s.max_tokens for s in specs])), 1),
@@ -264,24 +272,30 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
 def rate_sweep(bench, targets: list[Target], specs: list[RequestSpec], sat_rps: float,
                rng: random.Random) -> tuple[list[dict], list[dict]]:
     """The Poisson points: at every rate, bench.serve_rate_rounds rounds, every arm once per
-    round in an order shuffled per round, on the same requests and arrival times. A point at
+    round in an order shuffled per round, on the same requests and arrival times; round j
+    takes an arm's server j % (its servers). A point at
     75-120% of saturation lasts about 2 s, and one arm's throughput moved by 15-20% from one
     pass to the next on this machine (the ratio of two arms measured side by side, 2-5%).
     Returns the points merged over rounds (clients.merge_rounds: medians, and each round's
     throughput, so ratios are taken round by round) and every round's point."""
     from cluster.bench.clients import merge_rounds
 
-    points, every = [], []
-    bar = tqdm(total=len(bench.serve_rates) * bench.serve_rate_rounds * len(targets), desc="sweep", mininterval=2)
+    servers: dict[str, list[Target]] = {}
+    for t in targets:
+        servers.setdefault(t.arm, []).append(t)
+    arms, points, every = list(servers), [], []
+    bar = tqdm(total=len(bench.serve_rates) * bench.serve_rate_rounds * len(arms), desc="sweep", mininterval=2)
     for i, fraction in enumerate(bench.serve_rates):
-        got = {t.arm: [] for t in targets}
-        for _ in range(bench.serve_rate_rounds):
-            for t in rng.sample(targets, len(targets)):
-                got[t.arm].append(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction))
+        got = {arm: [] for arm in arms}
+        for j in range(bench.serve_rate_rounds):
+            for arm in rng.sample(arms, len(arms)):
+                t = servers[arm][j % len(servers[arm])]
+                got[arm].append(dict(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction),
+                                     replica=t.replica))
                 time.sleep(t.settle_s)
                 bar.update()
-        points += [merge_rounds(got[t.arm]) for t in targets]
-        every += [p for t in targets for p in got[t.arm]]
+        points += [merge_rounds(got[arm]) for arm in arms]
+        every += [p for arm in arms for p in got[arm]]
     bar.close()
     return points, every
 
