@@ -98,6 +98,9 @@ class BenchConfig:
     # servers (processes) per arm of ours; round j of a rate measures an arm on its server j % serve_replicas, so
     # what separates two processes of the same code (about 1% here) averages out instead of staying in every ratio
     serve_replicas: int = 1
+    # requests every server gets at once, untimed, before the sweep (None: the whole workload): a server
+    # measured as it runs once it has served a while (its time model refit, its probes backed off)
+    serve_warmup_requests: int | None = None
 
 
 @dataclass
@@ -233,6 +236,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"bench.serve_rates={cfg.bench.serve_rates!r} must be positive fractions of the saturation")
     if not all(isinstance(c, int) and c > 0 for c in cfg.bench.serve_clients):
         raise ConfigError(f"bench.serve_clients={cfg.bench.serve_clients!r} must be positive client counts")
+    warmup = cfg.bench.serve_warmup_requests
+    if warmup is not None and not (isinstance(warmup, int) and warmup >= 0):
+        raise ConfigError(f"bench.serve_warmup_requests={warmup!r} must be a request count >= 0 (or null: the "
+                          "whole workload)")
     if not cfg.bench.serve_rates and not cfg.bench.serve_clients:
         raise ConfigError("bench.serve_rates and bench.serve_clients are both empty: bench-serve would measure nothing")
     if cfg.cache.kv_tokens < cfg.model.max_model_len:

@@ -125,7 +125,7 @@ class SpecPolicy:
         if mode == "adaptive":
             self.adaptive_steps += 1
             learning = self.cold and k > 0 and self.could_pay(model, len(kv), k)
-            probe = self.probes.due(self.adaptive_steps, len(kv), cold=learning)
+            probe = self.probes.due(len(kv), cold=learning)
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning)
 
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted) -> None:

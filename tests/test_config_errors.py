@@ -21,6 +21,8 @@ from tests.conftest import local_engine, tiny_config
     ("cache.kv_tokens=16", "cache.kv_tokens=16 is smaller than model.max_model_len"),
     ("parallel.executor=local", "parallel.executor=local runs one rank in the driver; parallel.tp_size=2"),
     ("parallel.executor=mpi", "parallel.executor='mpi' is not one of: auto, ray, local"),
+    ("bench.serve_replicas=0", "bench.serve_replicas=0 must be >= 1"),
+    ("bench.serve_warmup_requests=-1", "bench.serve_warmup_requests=-1 must be a request count >= 0"),
 ])
 def test_bad_override_names_the_key(override, words):
     with pytest.raises(ConfigError) as e:

@@ -39,7 +39,6 @@ from cluster.bench.vllm_peer import SETTLE_S, PausablePids
 from cluster.entrypoints.common import add_config_args, config_from_args
 from cluster.config import ConfigError
 
-WARMUP_REQUESTS = 8
 ARM_PATTERN = re.compile(r"^(nospec|static-(\d+)|adaptive-(\d+))$")
 VLLM_ARM_PATTERN = re.compile(r"^vllm-(nospec|draft-(\d+))$")
 
@@ -234,8 +233,9 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
                 targets += [Target(s.name, s.url, s.name, SETTLE_S, s) for s in peers]
                 for s in peers:
                     s.pause()
-        for t in tqdm(targets, desc="warm-up", mininterval=2):
-            measure(t, specs[:WARMUP_REQUESTS], float("inf"), bench.seed)
+        warmup = specs[:bench.serve_warmup_requests] if bench.serve_warmup_requests is not None else specs
+        for t in tqdm(targets, desc="warm-up", mininterval=2):  # untimed: a server that has served a while
+            measure(t, warmup, float("inf"), bench.seed)
             time.sleep(t.settle_s)
         base = next(t for t in targets if t.arm in ("nospec", "url"))
         saturation = measure(base, specs, float("inf"), bench.seed)
