@@ -13,7 +13,8 @@ its 1,200 steps there and about 2.5% of its time.
 
 A bucket counts its own steps: a probe is amortised over the steps of its batch size, which
 it costs most at (a probe past a budget of 0 drafts for one row, which first catches up on
-every token since it last drafted: 100-360 tokens, 3-11 ms, in a served run at 120%).
+every token since it last drafted: 30-360 tokens, 2.5-11.6 ms over a plain step, in a
+served run at 120%).
 Counted in all adaptive steps, every bucket a server's load passes through probed once per
 interval, and at the longest interval a load spread over five buckets still probed five
 times per 1,024 steps.
