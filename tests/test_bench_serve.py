@@ -117,6 +117,7 @@ def test_merge_rounds_takes_medians_and_ratios_round_by_round():
 
 def test_the_adaptive_table_takes_each_ratio_round_by_round_and_names_the_best_fixed_arm():
     from cluster.bench.serve_report import adaptive_table
+    from cluster.bench.stats import bootstrap_ci
 
     def point(arm, fraction, rounds):
         return {"arm": arm, "rate_fraction": fraction, "output_tok_per_s": float(sorted(rounds)[1]),
@@ -128,10 +129,14 @@ def test_the_adaptive_table_takes_each_ratio_round_by_round_and_names_the_best_f
     lines = adaptive_table(points)
     rows = {line.split(" | ")[1]: line for line in lines if line.startswith("| adaptive-7")}
     # at 50%: over nospec per round 1.1, 1.5, 0.9; over static-3 0.733, 2.0, 0.45. The best fixed arm is
-    # the one with the higher median (nospec 200 against 150), not the one with the best round
+    # the one with the higher median (nospec 200 against 150), not the one with the best round; last, the
+    # bootstrap interval of the median over it
+    low, high = bootstrap_ci([1.1, 1.5, 0.9])
+    assert 0.9 <= low < 1.1 < high <= 1.5
     assert rows["50%"] == ("| adaptive-7 | 50% | 1.100 [0.900, 1.500] | 0.733 [0.450, 2.000] "
-                           "| 1.100 [0.900, 1.500] (nospec) |")
-    assert rows["100%"].endswith("| 1.000 [0.900, 1.100] (nospec) |")
+                           f"| 1.100 [0.900, 1.500] (nospec) | [{low:.3f}, {high:.3f}] |")
+    assert rows["100%"].endswith("| 1.000 [0.900, 1.100] (nospec) | [{:.3f}, {:.3f}] |".format(
+        *bootstrap_ci([0.9, 1.0, 1.1])))
     assert adaptive_table([p for p in points if p["arm"] != "adaptive-7"]) == []
 
 

@@ -85,13 +85,17 @@ def merge_rounds(rounds: list[dict]) -> dict:
     return out
 
 
+def round_ratios(point: dict, ref: dict) -> list[float]:
+    """Point's throughput over ref's, round by round (rounds where ref measured nothing left out)."""
+    return [a / b for a, b in zip(point.get("rounds") or [point["output_tok_per_s"]],
+                                  ref.get("rounds") or [ref["output_tok_per_s"]]) if b]
+
+
 def round_ratio(point: dict, ref: dict) -> tuple[float, float, float] | None:
     """Median, min and max over rounds of point's throughput over ref's in the same round."""
-    pairs = [(a, b) for a, b in zip(point.get("rounds") or [point["output_tok_per_s"]],
-                                    ref.get("rounds") or [ref["output_tok_per_s"]]) if b]
-    if not pairs:
+    r = round_ratios(point, ref)
+    if not r:
         return None
-    r = [a / b for a, b in pairs]
     return float(np.median(r)), min(r), max(r)
 
 

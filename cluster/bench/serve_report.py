@@ -46,8 +46,10 @@ def _ratio_text(got: tuple[float, float, float] | None, rounds: int) -> str:
 def adaptive_table(points: list[dict]) -> list[str]:
     """Poisson points: each adaptive arm's throughput over every fixed arm of ours (plain
     decoding, static-K) at the same rate, and over the best of them (the highest median),
-    as the median over rounds of the per-round ratio, [min, max] where there were several."""
-    from cluster.bench.clients import round_ratio
+    as the median over rounds of the per-round ratio, [min, max] where there were several; and
+    over the best fixed arm, the 95% bootstrap interval of that median (cluster/bench/stats.py)."""
+    from cluster.bench.clients import round_ratio, round_ratios
+    from cluster.bench.stats import bootstrap_ci
 
     adaptive = sorted({p["arm"] for p in points if p["arm"].startswith("adaptive")})
     fixed = sorted({p["arm"] for p in points if p["arm"] == "nospec" or p["arm"].startswith("static")})
@@ -56,8 +58,9 @@ def adaptive_table(points: list[dict]) -> list[str]:
     rounds = max(len(p.get("rounds") or [1]) for p in points)
     lines = ["", f"Adaptive over the fixed arms at each rate (median over {rounds} round(s) of the per-round "
              "ratio of output tok/s, [min, max]):", "",
-             "| arm | of saturation | " + " | ".join(f"/ {f}" for f in fixed) + " | / best fixed |",
-             "|" + "---|" * (len(fixed) + 3)]
+             "| arm | of saturation | " + " | ".join(f"/ {f}" for f in fixed) + " | / best fixed | "
+             "/ best fixed: 95% interval of the median |",
+             "|" + "---|" * (len(fixed) + 4)]
     for arm in adaptive:
         for p in (p for p in points if p["arm"] == arm):
             at = {q["arm"]: q for q in points if q["rate_fraction"] == p["rate_fraction"]}
@@ -66,8 +69,10 @@ def adaptive_table(points: list[dict]) -> list[str]:
                 continue
             best = max(refs, key=lambda q: q["output_tok_per_s"])
             cells = [_ratio_text(round_ratio(p, at[f]), rounds) if f in at else "" for f in fixed]
+            to_best = round_ratios(p, best)
+            ci = "[{:.3f}, {:.3f}]".format(*bootstrap_ci(to_best)) if len(to_best) > 1 else ""
             lines.append(f"| {arm} | {100 * p['rate_fraction']:.0f}% | " + " | ".join(cells) +
-                         f" | {_ratio_text(round_ratio(p, best), rounds)} ({best['arm']}) |")
+                         f" | {_ratio_text(round_ratio(p, best), rounds)} ({best['arm']}) | {ci} |")
     return lines
 
 
