@@ -76,6 +76,10 @@ class BenchConfig:
     max_prompt_len: int = 256
     output_len: int = 64  # tokens per output, EOS ignored, so every arm emits the same tokens
     batch_sizes: list = field(default_factory=lambda: [1, 8, 32])  # concurrent sequences
+    # prompts per wave, per concurrent sequence: a wave of b * refill prompts decodes at most b at once and admits
+    # the next prompt as a sequence finishes (continuous batching, as a server keeps its batch full); at 1 a
+    # wave's b sequences start together and its last ones finish alone
+    refill: int = 1
     ks: list = field(default_factory=lambda: [3, 5, 7])  # num_speculative_tokens per arm
     policies: list = field(default_factory=lambda: ["nospec", "static", "adaptive", "oracle"])
     hf_peer: bool = True  # Hugging Face target-only and assisted generation at batch 1
@@ -127,7 +131,7 @@ CHOICES = {
 POSITIVE = ("parallel.tp_size", "cache.block_size", "cache.kv_tokens", "engine.max_num_seqs",
             "engine.max_prefill_tokens", "engine.max_waiting", "model.max_model_len", "serve.max_request_bytes", "serve.max_n",
             "bench.rounds", "bench.num_prompts", "bench.output_len", "bench.serve_requests", "bench.max_output_len",
-            "bench.serve_client_rounds", "bench.serve_rate_rounds", "bench.serve_replicas")
+            "bench.serve_client_rounds", "bench.serve_rate_rounds", "bench.serve_replicas", "bench.refill")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

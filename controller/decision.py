@@ -6,7 +6,9 @@ keeping L_i drafts gives `E_i = 1 + sum_{j <= L_i} a[i, j]` expected tokens. Wit
 time models (controller/time_model.py) and the draft time already spent, the step's
 estimated throughput is
 
-    Theta(L) = E / (o0 + o1 E + T_draft + f(Q) + b2 * sum_i (L_i + 1) kv_i),  E = sum_i E_i, Q = n + sum_i L_i
+    Theta(L) = E / (o0' + o1 E + T_draft + f(Q) + b2 * sum_i (L_i + 1) kv_i),  E = sum_i E_i, Q = n + sum_i L_i
+
+(o0' = o0 + o2 + o3 n: the rest of a step that drafted, whatever it keeps.)
 
 Rule: rank every candidate (i, j) by its gain per marginal context cost, a[i, j] / (s +
 b2 kv_i) with s the average marginal cost of a token under f (by a[i, j] alone when
@@ -77,7 +79,7 @@ class StepCosts(NamedTuple):
     ctx_list: list[int]  # the same as Python ints (small batches; empty for large ones)
     ctx_sum: int
     uniform: bool  # every sequence's context cost is the same
-    fixed: int  # o0, the rest of the step's fixed cost
+    fixed: int  # o0 + o2 + o3 n, the rest of a drafting step's fixed cost
     per_token: int  # o1, the rest's cost per emitted token
     f: np.ndarray  # f(n + m) for m = 0..extra
     f_list: tuple[int, ...]  # its first SMALL + 1 values as Python ints (the small path)
@@ -88,7 +90,9 @@ def step_costs(tm: TimeModel, kv, extra: int, f: tuple | None = None) -> StepCos
     given, is f_table(tm, n, extra) computed before (steps of one batch size repeat it)."""
     n = len(kv)
     f_np, f_list = f_table(tm, n, extra) if f is None else f
-    fixed, per_token = int(round(tm.o0 * UNITS_PER_MS)), int(round(tm.o1 * UNITS_PER_MS))
+    # the step drafted: its rest costs the drafting extra too, whatever the keep set
+    fixed = int(round((tm.o0 + tm.drafting_extra_ms(n)) * UNITS_PER_MS))
+    per_token = int(round(tm.o1 * UNITS_PER_MS))
     if n <= SMALL:  # the small path may run (n * k <= SMALL): Python ints, no numpy calls
         ctx_list = context_units(tm, kv)
         uniform = n == 0 or min(ctx_list) == max(ctx_list)

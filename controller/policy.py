@@ -237,6 +237,7 @@ class SpecPolicy:
         first, g = self.draft_terms(tm, n)
         f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
         (gain, share), o0, o1 = ([1.0] * k,) * 2 if optimistic else self.shares(n), tm.o0, tm.o1
+        o0 += tm.drafting_extra_ms(n)  # what a step that drafts costs more outside drafting and validation
         terms, expected, verified = [], 1.0, 1.0
         for m in range(1, k + 1):
             expected += gain[m - 1]

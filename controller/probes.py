@@ -18,6 +18,15 @@ served run at 120%).
 Counted in all adaptive steps, every bucket a server's load passes through probed once per
 interval, and at the longest interval a load spread over five buckets still probed five
 times per 1,024 steps.
+
+A plain probe is the other way round: every PLAIN_EVERY-th adaptive step that would draft
+(and is no probe) runs as a plain step. The time model prices what a step that drafts costs
+outside drafting and validation beyond a plain one (time_model.py, o2 + o3 n), and can tell
+the two apart only from steps of both kinds: a batch that always drafted (batch 1 and 2
+offline) had none of the plain ones, o0 took the extra in, a plain step looked as dear as
+a drafting one, and the budget drafted at batch 2 where plain decoding was faster.
+One step in 128 gives up what drafting gains there (about 0.1% at batch 1) and keeps 32
+plain steps in the registry's window.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from controller.yields import BUCKETS, batch_bucket
 
 PROBE_EVERY = 32  # a bucket's steps probe every 32 adaptive steps ...
 PROBE_MAX_EVERY = 1024  # ... backing off (doubling) while its probes keep finding that drafting does not pay
+PLAIN_EVERY = 128  # every 128th adaptive step that would draft runs plain (a plain probe)
 
 
 class ProbeSchedule:
@@ -36,6 +46,9 @@ class ProbeSchedule:
         self.steps = [0] * BUCKETS  # adaptive steps per bucket
         self.last = [-PROBE_EVERY] * BUCKETS  # each bucket's first adaptive step probes
         self.probes = 0
+        self.drafting = 0  # adaptive steps that would draft, no probe among them
+        self.plain = 0  # plain probes
+        self.plain_every = PLAIN_EVERY
 
     def due(self, n: int, cold: bool = False) -> bool:
         """Does the next adaptive step, of n sequences, probe? (Counted as one if so.)
@@ -45,6 +58,14 @@ class ProbeSchedule:
         if not cold and step - self.last[b] < self.every[b]:
             return False
         self.last[b], self.probes = step, self.probes + 1
+        return True
+
+    def plain_due(self) -> bool:
+        """An adaptive step that would draft (no probe): does it run plain? (Counted if so.)"""
+        self.drafting += 1
+        if self.drafting % self.plain_every:
+            return False
+        self.plain += 1
         return True
 
     def found(self, n: int, pays: bool) -> None:
@@ -57,5 +78,6 @@ class ProbeSchedule:
         return self.every[batch_bucket(n)]
 
     def hold(self) -> None:
-        """No probe for a very long time (tests that decide without them)."""
+        """No probe, nor plain probe, for a very long time (tests that decide without them)."""
         self.last = [10**9] * BUCKETS
+        self.plain_every = 10**9

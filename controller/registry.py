@@ -280,7 +280,8 @@ class ProfileRegistry:
         rows = _features(validated)
         drafted = self._steady_drafts(data)  # the draft cost of steady drafting
         timed = (data[:, OTHER_MS] > 0) & (data[:, EMITTED] > 0)
-        other = (data[timed, EMITTED], data[timed, OTHER_MS])
+        other = (data[timed, EMITTED], data[timed, OTHER_MS],
+                 np.where(data[timed, DRAFT_STEPS] > 0, data[timed, NUM_SEQS], 0.0))
         report = fit(rows, validated[:, VALIDATE_MS], _drafting(drafted), drafted[:, DRAFT_MS],
                      self.model.version + 1, self.kind, other, drafted[:, DRAFT_STEPS])
         self.model, self.last_report, self.since_fit = report.model, report, 0

@@ -4,7 +4,8 @@
     T_draft = h(n) + m g(n)                      (ms for m >= 1 draft steps of n sequences; the
                                                   first step also catches the draft up on the
                                                   tokens accepted last step: h)
-    T_other = o0 + o1 E                          (ms per step, E tokens emitted: scheduling,
+    T_other = o0 + o1 E (+ o2 + o3 n if the step drafts)
+                                                 (ms per step, E tokens emitted: scheduling,
                                                   sampling, accepting, detokenizing, storing)
 
 T_other is measured online (the step's wall time less drafting and validation). Its
@@ -12,6 +13,15 @@ per-token part is what speculation pays for every token it emits (about 0.15 ms 
 token at batch 1 and 32 here), so it belongs in Theta's denominator: without it a
 speculative step looked cheaper than it is, and the budget drafted at batch 8, where
 plain decoding is faster.
+
+A step that drafts also spends more outside drafting and validation than its tokens
+explain: the keep decision and calibration, the sampler's multi-token accept, the
+proposer's bookkeeping. At batch 2 here a plain step's rest took 0.143 ms (E = 2), a
+static-1 step's 0.194 (E = 3.6) and an adaptive-1 step's 0.253 (E = 3.6), against 0.206 for
+a plain step at batch 8 (E = 8): a line in E alone, fitted over all of them, priced a
+drafting step at batch 2 about 0.1 ms (8% of the step) too cheap, and the budget drafted at
+batch 2, where plain decoding was 2.5% faster. o2 + o3 n is that extra, per drafting step
+of n sequences; the budget charges it to every m >= 1 and not to a plain step.
 
 q_i is the number of tokens sequence i validates (kept drafts + 1) and kv_i its context
 length. Two kinds (`speculative.adaptive.time_model`):
@@ -55,6 +65,8 @@ class TimeModel:
     d_first: float = 0.0  # ms a step's first draft step costs beyond the others (MTP catches up on accepted tokens)
     o0: float = 0.0  # ms per step outside drafting and validation
     o1: float = 0.0  # ... per emitted token
+    o2: float = 0.0  # ... more in a step that drafts
+    o3: float = 0.0  # ... and per sequence of such a step
     # the table kind's f at q_knots (empty: linear)
     q_knots: tuple = ()
     q_ms: tuple = ()
@@ -88,7 +100,12 @@ class TimeModel:
         return self.q_ms_at(q_tokens) + self.b2 * np.asarray(kv_tokens, dtype=np.float64)
 
     def other_ms(self, emitted: float) -> float:
+        """The rest of a plain step that emits `emitted` tokens."""
         return self.o0 + self.o1 * emitted
+
+    def drafting_extra_ms(self, n: int) -> float:
+        """What the rest of a step of n sequences costs more when it drafts."""
+        return self.o2 + self.o3 * n
 
     def draft_step_ms(self, n: int) -> float:
         """g(n): one more draft step for n sequences."""
@@ -190,28 +207,45 @@ def robust_nonneg_lstsq(x: np.ndarray, y: np.ndarray, rounds: int = 3) -> tuple[
     return coef, keep
 
 
-def line_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """[intercept, slope] of y over x: robust, relative, non-negative."""
-    x = np.asarray(x, dtype=np.float64)
-    return robust_nonneg_lstsq(np.stack([np.ones_like(x), x], 1), y)[0]
-
-
 KINDS = ("table", "linear")  # controller.config.TIME_MODELS
 
 
 def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms: np.ndarray,
-        version: int, kind: str = "linear", other: tuple[np.ndarray, np.ndarray] | None = None,
+        version: int, kind: str = "linear", other: tuple | None = None,
         draft_steps: np.ndarray | None = None) -> FitReport:
     """rows: (m, 3) features [1, Q, sum q*kv] of validate steps; draft_n / draft_ms /
     draft_steps: batch size, time and number of draft steps of steps that drafted (steps
-    omitted: times per single step); other: (tokens emitted, ms) of the rest of measured
-    steps. MAE and MAPE are over the validate points the fit kept."""
+    omitted: times per single step); other: (tokens emitted, ms[, drafting batch size]) of
+    the rest of measured steps, the batch size 0 where the step did not draft (omitted:
+    none did). MAE and MAPE are over the validate points the fit kept."""
     report = _fit_validate(rows, validate_ms, version, kind)
     report = dataclasses.replace(report, model=_fit_draft(report.model, draft_n, draft_ms, draft_steps))
     if other is not None and len(other[0]) >= 2:
-        o = line_fit(*other)
-        report = dataclasses.replace(report, model=dataclasses.replace(report.model, o0=float(o[0]), o1=float(o[1])))
+        o = other_fit(*other)
+        report = dataclasses.replace(report, model=dataclasses.replace(
+            report.model, o0=float(o[0]), o1=float(o[1]), o2=float(o[2]), o3=float(o[3])))
     return report
+
+
+def other_fit(emitted: np.ndarray, ms: np.ndarray, drafting_n: np.ndarray | None = None) -> np.ndarray:
+    """[o0, o1, o2, o3] of ms = o0 + o1 E (+ o2 + o3 n where the step drafted), robust,
+    relative, non-negative. A term the steps cannot tell apart stays 0: o2 and o3 where every
+    step drafted or none did (o0 holds it), o3 where every drafting step had one batch size."""
+    e = np.asarray(emitted, dtype=np.float64)
+    cols = [np.ones_like(e), e]
+    d = np.zeros_like(e) if drafting_n is None else np.asarray(drafting_n, dtype=np.float64)
+    drafted = d > 0
+    terms = [0, 1]
+    if drafted.any() and not drafted.all():
+        cols.append(drafted.astype(np.float64))
+        terms.append(2)
+        if len(np.unique(d[drafted])) > 1:
+            cols.append(d)
+            terms.append(3)
+    coef = robust_nonneg_lstsq(np.stack(cols, 1), np.asarray(ms, dtype=np.float64))[0]
+    out = np.zeros(4)
+    out[terms] = coef
+    return out
 
 
 def _fit_validate(rows, validate_ms, version: int, kind: str) -> FitReport:

@@ -93,3 +93,32 @@ def test_arm_check_finds_the_first_difference():
     assert arm.identical and arm.first_difference is None
     arm.check([[1, 9, 3], [4, 5, 6, 7]], [[1, 2, 3], [4, 5, 6]])  # a different token, then a longer output
     assert not arm.identical and arm.differing == 2 and arm.first_difference == 1
+
+
+def test_a_refilled_wave_decodes_at_most_b_sequences_at_once(sharegpt_prompts):
+    """bench.refill: a wave of more prompts than its batch size decodes at most b at once, admits
+    the next as one finishes, still emits the target-only greedy tokens, and leaves the engine's
+    own cap as it was."""
+    from cluster.bench.arms import Arm
+    from cluster.bench.offline import EngineArms
+    from tests.conftest import local_engine
+
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.num_speculative_tokens=3"))
+    try:
+        ours = EngineArms(engine)
+        prompts = sharegpt_prompts[:5]
+        reference = ours.run_wave(Arm("reference", "nospec", 0, 5), prompts, [], 10).token_ids
+        running, step = [], engine.step
+
+        def counted():
+            out = step()
+            running.append(len(engine.scheduler.running))
+            return out
+
+        engine.step = counted
+        got = ours.run_wave(Arm("static-3@b2", "static", 3, 2), prompts, [], 10)
+        assert got.token_ids == reference
+        assert max(running) == 2 and running.count(2) > len(running) // 2  # refilled as sequences finished
+        assert engine.scheduler.max_num_seqs == engine.cfg.engine.max_num_seqs
+    finally:
+        engine.shutdown()

@@ -65,6 +65,11 @@ def two_node_run() -> None:
     from cluster.engine.core import Engine
 
     temp = tempfile.mkdtemp(prefix="adaspec-2n-", dir="/tmp")
+    # Cluster writes the head's address under Ray's default temp dir whatever temp_dir says; on a
+    # machine where no Ray has run yet that directory does not exist
+    from ray._common.utils import get_ray_address_file
+
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(initialize_head=True, connect=True,
                       head_node_args={"num_cpus": 2, "temp_dir": temp, "include_dashboard": False})
     cluster.add_node(num_cpus=2)

@@ -11,7 +11,7 @@ from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
 from controller.pending import stacked as _stacked
 from controller.policy import SpecPolicy
-from controller.probes import PROBE_EVERY, PROBE_MAX_EVERY
+from controller.probes import PLAIN_EVERY, PROBE_EVERY, PROBE_MAX_EVERY
 from controller.step import EXPLORE_EVERY
 from controller.time_model import TimeModel
 
@@ -151,8 +151,24 @@ def test_draft_budget_follows_acceptance_and_cost():
     assert static.begin_step("static", np.full(4, 100), np.full(4, 4), 0, 4).budget == 4
 
 
+def test_what_a_drafting_step_costs_beyond_its_tokens_can_stand_the_budget_down():
+    """The rest of a step that drafts costs o2 + o3 n more than a plain step's: priced in,
+    a budget that drafted where its gain was a few percent stands down; a plain step is not
+    charged it."""
+    policy = _policy()
+    _teach(policy, 0.6)
+    policy.probes.hold()  # no probe
+    plain = TimeModel(version=1, b0=1.0, b1=0.1, d0=0.3, d1=0.0, o0=0.15, o1=0.01)
+    assert _budget(policy, plain) >= 1
+    for version, extra in enumerate((dict(o2=0.4), dict(o3=0.1)), start=2):
+        costly = dataclasses.replace(plain, version=version, **extra)
+        assert _budget(policy, costly) == 0, extra
+    assert dataclasses.replace(plain, o2=0.4).other_ms(4) == plain.other_ms(4)
+
+
 def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     policy = _policy()
+    policy.probes.plain_every = 10**9  # plain probes aside (test_every_128th_drafting_step_runs_plain)
     _teach(policy, 0.02)
     model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
     assert _budget(policy, model) == 1  # the first adaptive step probes one position past the budget (0)
@@ -169,10 +185,28 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     assert policy.probes.every_at(4) == PROBE_EVERY and _budget(policy, model) == 4
 
 
+def test_every_128th_drafting_step_runs_plain():
+    """A plain probe: of the adaptive steps that would draft, every PLAIN_EVERY-th runs plain, so
+    the time model sees what a plain step's rest costs beside a drafting one's; a batch that
+    stands down has none (nothing to stand down from)."""
+    policy = _policy()
+    _teach(policy, 0.95)
+    policy.probes.last = [10**9] * len(policy.probes.last)  # no stand-down probe in these steps
+    model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
+    budgets = [_budget(policy, model) for _ in range(3 * PLAIN_EVERY)]
+    assert [i for i, b in enumerate(budgets) if b == 0] == [PLAIN_EVERY - 1, 2 * PLAIN_EVERY - 1, 3 * PLAIN_EVERY - 1]
+    assert set(budgets) == {0, 4} and policy.probes.plain == 3
+    down = _policy()
+    _teach(down, 0.02)  # drafting does not pay: no step would draft
+    down.probes.last = [10**9] * len(down.probes.last)
+    assert all(_budget(down, model) == 0 for _ in range(2 * PLAIN_EVERY)) and down.probes.plain == 0
+
+
 def test_probes_back_off_per_batch_size():
     """A load that moves between one sequence (drafting pays there) and eight (it does not), a
     tenth of its steps at eight: the steps at eight back off their probes as if the steps at one
-    were not there, counting only their own steps, and the steps at one draft throughout."""
+    were not there, counting only their own steps, and the steps at one draft throughout (but
+    for their plain probes)."""
     policy = _policy()
     _teach(policy, 0.8)
     model = TimeModel(version=1, b0=1.0, b1=0.5, d0=0.2, d1=0.0)  # validation dear: drafting pays at 1, not at 8
@@ -184,7 +218,10 @@ def test_probes_back_off_per_batch_size():
             before = policy.probes.probes
             _budget(policy, model, n=8)
             probes_at_8 += policy.probes.probes - before
-    assert min(budgets_at_1) >= 2
+    # ... but for the plain probes: every PLAIN_EVERY-th step that would draft and is no probe (those
+    # at eight would not draft)
+    assert sum(b == 0 for b in budgets_at_1) == policy.probes.plain == policy.probes.drafting // PLAIN_EVERY > 10
+    assert min(b for b in budgets_at_1 if b) >= 2
     # 200 steps at eight: probes at their steps 1, 65 and 193 (counted among all 2000 adaptive steps, the
     # interval passed at nearly every stretch at eight early on: 5 probes)
     assert probes_at_8 == 3 and policy.probes.every_at(8) == 8 * PROBE_EVERY, probes_at_8
@@ -334,7 +371,8 @@ def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k:
         verified += share[m - 1]
         lo = min(int(verified - 1.0), k - 1)
         f_val = f[lo] + (verified - 1.0 - lo) * (f[lo + 1] - f[lo])
-        theta = expected / ((tm.o0 + tm.o1 * (n * expected)) + (tm.first_ms(n) + m * g) + f_val + verified * kv_ms)
+        theta = expected / (((tm.o0 + tm.drafting_extra_ms(n)) + tm.o1 * (n * expected)) + (tm.first_ms(n) + m * g)
+                             + f_val + verified * kv_ms)
         if theta > best * (1.0 + policy.cfg.adaptive.min_gain):
             best_m, best = m, theta
     return best_m
@@ -353,7 +391,8 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
         _teach(policy, rng.uniform(0.3, 0.95), k=7)
         policy.probes.hold()  # no probe
         tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(0, 1e-3),
-                       d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05))
+                       d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05),
+                       o2=rng.uniform(0, 0.3), o3=rng.uniform(0, 0.02))
         if trial % 2:  # draft time as a fitted model has it: h and g tabled over n
             tm = dataclasses.replace(tm, n_knots=(1.0, 2.0, 4.0, 16.0, 64.0),
                                      n_ms=tuple(np.cumsum(rng.uniform(0, 0.5, 5)).tolist()),

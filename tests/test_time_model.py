@@ -5,7 +5,7 @@ import numpy as np
 
 from controller.registry import (RECENT, SCHEDULE_MAX, STEADY_CATCHUP, WINDOW, ProfileRegistry, SampleColumns,
                                StepSample)
-from controller.time_model import TimeModel, fit, piecewise, piecewise_at
+from controller.time_model import TimeModel, fit, other_fit, piecewise, piecewise_at
 
 
 def _samples(rng, m, b=(2.0, 0.05, 1e-4), spikes=0):
@@ -126,7 +126,8 @@ def test_refit_reads_the_columns_as_the_samples_say():
     expected = fit(np.array([s.features() for s in validated]), np.array([s.validate_ms for s in validated]),
                    np.array([s.drafting for s in steady], dtype=np.float64), np.array([s.draft_ms for s in steady]),
                    2, "linear", (np.array([s.emitted for s in timed], dtype=np.float64),
-                                 np.array([s.other_ms for s in timed])),
+                                 np.array([s.other_ms for s in timed]),
+                                 np.array([s.num_seqs if s.draft_steps > 0 else 0 for s in timed], dtype=np.float64)),
                    np.array([s.draft_steps for s in steady], dtype=np.float64))
     assert reg.refit() == expected
     assert reg.online == online
@@ -245,6 +246,23 @@ def test_the_rest_of_a_step_is_fitted_from_online_steps():
     reg.add(online)
     m = reg.refit().model
     assert abs(m.other_ms(1) - 0.45) < 0.01 and abs(m.other_ms(64) - 9.9) < 0.05
+
+
+def test_what_a_drafting_step_costs_beyond_its_tokens_is_told_apart():
+    """Plain steps at many batch sizes and drafting steps at a few: the rest is o0 + o1 E,
+    plus o2 + o3 n where the step drafted; terms the steps cannot tell apart stay 0."""
+    rng = np.random.default_rng(11)
+    n = rng.integers(1, 33, 400).astype(np.float64)
+    drafted = rng.random(400) < 0.3
+    emitted = np.where(drafted, n * rng.uniform(1.2, 3.0, 400), n)
+    ms = 0.12 + 0.01 * emitted + np.where(drafted, 0.05 + 0.02 * n, 0.0)
+    ms[::50] *= 20  # a few timings a neighbour stole the CPU from
+    o = other_fit(emitted, ms, np.where(drafted, n, 0.0))
+    assert np.allclose(o, [0.12, 0.01, 0.05, 0.02], atol=1e-6), o
+    assert np.allclose(other_fit(emitted, 0.12 + 0.01 * emitted), [0.12, 0.01, 0.0, 0.0])  # none drafted
+    one = np.where(drafted, 4.0, 0.0)  # every drafting step at one batch size: o3 is not told apart
+    o = other_fit(emitted, 0.12 + 0.01 * emitted + np.where(drafted, 0.13, 0.0), one)
+    assert np.allclose(o, [0.12, 0.01, 0.13, 0.0], atol=1e-6), o
 
 
 def _draft_law(n, m, scale=1.0):

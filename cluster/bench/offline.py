@@ -11,7 +11,8 @@ shuffled with bench.seed and cut to min..max_prompt_len tokens. Every arm emits 
 bench.output_len tokens per prompt (EOS ignored) and is checked against the target-only
 greedy reference token for token (`outputs_identical`).
 
-Rounds: at each batch size b the prompts form waves of b concurrent sequences. One
+Rounds: at each batch size b the prompts form waves of b concurrent sequences (of
+b * bench.refill prompts, at most b decoding at once, where bench.refill > 1). One
 warm-up wave per arm (not counted) sets how many waves a round holds, so that every arm
 spends at least bench.min_round_s in each round; then bench.rounds rounds run, wave by
 wave, every arm on the same wave in an order shuffled (seeded) every wave, so neither a
@@ -77,15 +78,20 @@ class EngineArms:
             engine.tracer.label = label
         params = RequestParams(max_tokens=max_tokens, ignore_eos=True)
         before = _counters(engine)
-        t0 = time.perf_counter()
-        rids = [engine.add_request(p, params, oracle_ids=refs[i] if arm.policy == "oracle" else None)
-                for i, p in enumerate(prompts)]
-        done = {}
-        while engine.has_work():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        wall = time.perf_counter() - t0
+        cap = engine.scheduler.max_num_seqs
+        engine.scheduler.max_num_seqs = min(cap, arm.batch)  # at most b at once
+        try:
+            t0 = time.perf_counter()
+            rids = [engine.add_request(p, params, oracle_ids=refs[i] if arm.policy == "oracle" else None)
+                    for i, p in enumerate(prompts)]
+            done = {}
+            while engine.has_work():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+            wall = time.perf_counter() - t0
+        finally:
+            engine.scheduler.max_num_seqs = cap
         after = _counters(engine)
         delta = {key: after[key] - before[key] for key in after}
         outs = [done[r] for r in rids]
@@ -130,7 +136,8 @@ def run_rounds(group: list[Arm], runners: dict, prompts: list[list[int]], refs: 
                batch: int) -> int:
     """Warm up, size the rounds, then run bench.rounds rounds of `group` at `batch`;
     runners[arm.name] runs the arm's waves. Returns the waves per round."""
-    waves = [list(range(s, min(s + batch, len(prompts)))) for s in range(0, len(prompts), batch)]
+    size = batch * bench.refill
+    waves = [list(range(s, min(s + size, len(prompts)))) for s in range(0, len(prompts), size)]
     rng = random.Random(bench.seed * 1_000_003 + batch)
 
     def wave(arm: Arm, w: int, label: str) -> WaveResult:
@@ -185,6 +192,9 @@ def run_bench(cfg, out_dir: Path, trace: str | None = None) -> dict:
 
             hf = HFPeer(cfg, prompts[: bench.hf_prompts])
         if bench.vllm_python:
+            if bench.refill > 1:
+                raise ValueError("bench.refill > 1 is not supported with vLLM's arms (bench.vllm_python): their "
+                                 "engines hold max(bench.batch_sizes) sequences and would decode a whole wave at once")
             from cluster.bench.vllm_peer import VLLMArms
 
             vllm = VLLMArms(cfg, out_dir)

@@ -47,7 +47,10 @@ def markdown(result: dict) -> str:
         held = ("; held-out MAPE (fit on every other measured step, scored on the rest): "
                 + ", ".join(f"{k} {100 * v:.1f}%" for k, v in held.items())) if held else ""
         kind = f" ({tm['kind']})" if tm.get("kind") else ""
-        notes.append(f"- validate-time model at the end: version {tm['version']}{kind}{mape}{held}")
+        rest = tm.get("rest_ms")
+        rest = (f"; a step's rest {rest[0]:.3f} + {rest[1]:.4f} ms a token emitted "
+                f"(+ {rest[2]:.3f} + {rest[3]:.4f} ms a sequence where it drafts)") if rest else ""
+        notes.append(f"- validate-time model at the end: version {tm['version']}{kind}{mape}{held}{rest}")
     notes.append(f"- machine: {result.get('machine', '')}; the whole run took {result.get('elapsed_s')} s")
     return "\n".join(lines + [""] + notes) + "\n"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ray
 
-from cluster.engine.time_model_link import TimeModelReport
+from cluster.engine.time_model_link import TimeModelReport, rest_terms
 from controller.registry import ProfileRegistry, StepSample
 from controller.time_model import TimeModel
 
@@ -56,7 +56,8 @@ class ProfileActor:
 
     def status(self) -> TimeModelReport:
         r = self.registry.last_report
-        return TimeModelReport(self.acked, r.mae_ms if r else None, r.mape if r else None)
+        return TimeModelReport(self.acked, r.mae_ms if r else None, r.mape if r else None,
+                               rest_terms(r.model) if r else None)
 
     def current_model(self) -> TimeModel:
         return self.registry.model

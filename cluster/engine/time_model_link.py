@@ -30,6 +30,11 @@ class TimeModelReport:
     version: int  # the newest version every rank acknowledged
     mae_ms: float | None  # error of the last fit over the points it kept
     mape: float | None
+    rest_ms: tuple | None = None  # the last fit's (o0, o1, o2, o3): a step's rest outside drafting and validation
+
+
+def rest_terms(model: TimeModel) -> tuple:
+    return tuple(round(getattr(model, f), 5) for f in ("o0", "o1", "o2", "o3"))
 
 
 class TimeModelLink(Protocol):
@@ -111,7 +116,8 @@ class LocalTimeModelLink:
 
     def report(self) -> TimeModelReport:
         r = self.registry.last_report
-        return TimeModelReport(self.version, r.mae_ms if r else None, r.mape if r else None)
+        return TimeModelReport(self.version, r.mae_ms if r else None, r.mape if r else None,
+                               rest_terms(r.model) if r else None)
 
 
 class RayTimeModelLink:
@@ -156,7 +162,7 @@ class RayTimeModelLink:
         model = dataclasses.replace(model, version=max(model.version, self.version))
         workers.install_time_model(model)
         self.actor, self.model, self._pending = self._start(model, workers), model, None
-        self.status = TimeModelReport(model.version, self.status.mae_ms, self.status.mape)
+        self.status = dataclasses.replace(self.status, version=model.version)
         return self.version
 
     def record(self, samples: list[StepSample]) -> None:
