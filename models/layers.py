@@ -21,7 +21,8 @@ class RMSNorm(Module):
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor, out: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-        """out: (rows, first): the result goes into rows[first:first + len(x)], and is that view."""
+        """out: (rows, first): the result is also copied into rows[first:first + len(x)] (the MTP's
+        hidden log), past the caches where the kernels run; what it returns is its own tensor."""
         ops = kernels.ops_for(x, self.weight) if x.dim() == 2 else None
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps) if out is None else ops.rms_norm(x, self.weight, self.eps,
@@ -33,7 +34,8 @@ class RMSNorm(Module):
         if out is None:
             return y
         rows, first = out
-        return rows[first:first + len(y)].copy_(y)
+        rows[first:first + len(y)].copy_(y)
+        return y
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -58,8 +58,9 @@ def test_rms_norm(ops):
 
 @pytest.mark.parametrize("kernels_on", [True, False])
 def test_rms_norm_into_given_rows(ops, monkeypatch, kernels_on):
-    """RMSNorm with `out` (the MTP's hidden log): the same values, written into exactly the
-    rows asked for and returned as that view; rows past the end are refused."""
+    """RMSNorm with `out` (the MTP's hidden log): the same values, returned as a tensor of their
+    own and also written into exactly the rows asked for (the kernels' streamed stores, or a
+    copy); rows past the end are refused."""
     if not kernels_on:
         monkeypatch.setattr(kernels, "ops_for", lambda *t: None)
     norm = RMSNorm(256, 1e-5)
@@ -67,8 +68,10 @@ def test_rms_norm_into_given_rows(ops, monkeypatch, kernels_on):
     x, rows = torch.randn(9, 256), torch.zeros(20, 256)
     y = norm(x, (rows, 5))
     torch.testing.assert_close(y, F.rms_norm(x, (256,), norm.weight, 1e-5), rtol=1e-5, atol=1e-5)
-    assert y.data_ptr() == rows[5].data_ptr() and torch.equal(rows[5:14], y)
-    assert not rows[:5].any() and not rows[14:].any()
+    assert torch.equal(rows[5:14], y) and not rows[:5].any() and not rows[14:].any()
+    odd = torch.zeros(20, 256)[:, :255].contiguous()  # rows of 255 floats: no streamed stores, a plain copy
+    y = norm.__class__(255, 1e-5)(x[:, :255], (odd, 3))
+    assert torch.equal(odd[3:12], y) and not odd[:3].any() and not odd[12:].any()
     with pytest.raises((RuntimeError, ValueError)):
         norm(x, (rows, 12))
 

@@ -124,10 +124,14 @@ def test_ray_job_submit_generate():
     head = start_head(dashboard, temp)
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        submit = ray_cli("job", "submit", "--address", address, "--working-dir", ".", "--no-wait", "--",
-                         "python", "-m", "cluster.entrypoints.generate", "--config", "yamls/tiny.yaml", "--set",
-                         "parallel.tp_size=1", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens",
-                         str(MAX_TOKENS), "--ignore-eos", "--json")
+        for _ in range(30):  # the head's job agent may start a little after the head says it is up
+            submit = ray_cli("job", "submit", "--address", address, "--working-dir", ".", "--no-wait", "--",
+                             "python", "-m", "cluster.entrypoints.generate", "--config", "yamls/tiny.yaml", "--set",
+                             "parallel.tp_size=1", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens",
+                             str(MAX_TOKENS), "--ignore-eos", "--json")
+            if submit.returncode == 0 or "No available agent" not in submit.stderr:
+                break
+            time.sleep(2)
         assert submit.returncode == 0, submit.stderr[-3000:]
         job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
         status, logs = wait_for_job(address, job_id)

@@ -86,7 +86,7 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
     sequence absent from some forwards): read back from any entry on, across trims, they are
     the rows added; a trim keeps every entry from the oldest one a live sequence reads. With
     small blocks the outputs fill block after block, the emptied ones are reused, and the
-    larger outputs are kept as they are. in_place: each output is written where `reserve`
+    larger outputs are kept as they are. in_place: each output is also written where `reserve`
     says, as the target's forward does, and kept there without a copy."""
     from types import SimpleNamespace
 
@@ -104,11 +104,12 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
         firsts = [sum(counts[:i]) + sum(gaps[:i]) for i in range(len(present))]
         h = torch.randn(sum(counts) + sum(gaps), 4, generator=gen)
         out = log.reserve(len(h)) if in_place else None
-        if out is not None:  # the forward's output, written into the rows the log reserved
-            h = out[0][out[1]:out[1] + len(h)].copy_(h)
-        log.add(h, [s.seq_id for s in present], firsts, counts)
-        kept = log.entries[-1][0].data_ptr() == h.data_ptr()
-        assert kept == (out is not None or len(h) > block_rows // 8)
+        if out is not None:  # the forward's output, also written into the rows the log reserved
+            out[0][out[1]:out[1] + len(h)].copy_(h)
+        log.add(h, [s.seq_id for s in present], firsts, counts, written=out is not None)
+        kept = log.entries[-1][0]
+        assert (kept.data_ptr() == h.data_ptr()) == (out is None and len(h) > block_rows // 8)  # kept as it is
+        assert out is None or kept.data_ptr() == out[0][out[1]].data_ptr()  # ... or where it was written
         as_is += log.entries[-1][5] is None
         for s, first, count in zip(present, firsts, counts):
             s.rows.append(h[first:first + count].clone())

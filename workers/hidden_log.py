@@ -13,9 +13,11 @@ A decode step's output goes into a large block of rows, reused once no entry rea
 (`Block`); a prefill's is kept as it is. Keeping each forward's own output tensor alive
 had slowed the next forwards, their working memory allocated among the kept tensors:
 keeping 1,000-3,000 of them made plain decoding's forwards 1.0-1.8% slower. The target's
-final norm writes the output into the block's rows itself (`reserve`, CausalLM.forward's
-`out`): copying it there after the forward had cost 20-25 us of a batch-8 step, the rows
-long gone from the core's caches by then (the head's weights stream through them).
+final norm also writes the output into the block's rows itself (`reserve`, CausalLM.forward's
+`out`), with stores that bypass the caches (models/csrc/elementwise.cpp): copying it there
+after the forward had cost 20-25 us of a batch-8 step, the rows long gone from the core's
+caches by then (the head's weights stream through them), and the norm writing its only
+output there, cached, about 38 us of a batch-16 step (each line of the block read in first).
 
 Entries older than the oldest one a live sequence still reads are dropped (`trim`, every
 TRIM_EVERY entries). The log holds every entry since then: a sequence that has not drafted
@@ -33,17 +35,11 @@ SPARE_BLOCKS = 2  # emptied blocks kept for reuse
 class Block:
     """Rows that entries' outputs were copied into: `used` of them, read by `readers` entries."""
 
-    __slots__ = ("rows", "used", "readers", "_address", "_row_bytes")
+    __slots__ = ("rows", "used", "readers")
 
     def __init__(self, like: torch.Tensor, rows: int):
         self.rows = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
         self.used = self.readers = 0
-        self._address, self._row_bytes = self.rows.data_ptr(), self.rows.stride(0) * self.rows.element_size()
-
-    @property
-    def next_row(self) -> int:
-        """The address of the first unused row."""
-        return self._address + self.used * self._row_bytes
 
     def fits(self, hidden: torch.Tensor) -> bool:
         rows = self.rows
@@ -68,10 +64,10 @@ class HiddenLog:
         return self.first + len(self.entries)
 
     def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:
-        """Where the next forward's n output rows should be written (CausalLM.forward's `out`) for
-        `add` to keep them without a copy: (block rows, first row). None where `add` keeps the
-        output as it is (n > block_rows // 8), or before the first output (it gives the rows'
-        width and dtype)."""
+        """Where the next forward should also write its n output rows (CausalLM.forward's `out`) for
+        `add(..., written=True)` to keep them without a copy: (block rows, first row). None where
+        `add` keeps the output as it is (n > block_rows // 8), or before the first output (it gives
+        the rows' width and dtype)."""
         block = self._block
         if block is None or n > self.block_rows // 8:
             return None
@@ -79,13 +75,16 @@ class HiddenLog:
             block = self._block = self._new_block(block.rows)
         return block.rows, block.used
 
-    def add(self, hidden: torch.Tensor, ids: list[int], firsts: list[int], counts: list[int]) -> None:
+    def add(self, hidden: torch.Tensor, ids: list[int], firsts: list[int], counts: list[int],
+            written: bool = False) -> None:
         """A forward's output: sequence ids[i]'s next positions are rows firsts[i] .. firsts[i] + counts[i] - 1.
-        An output written where `reserve` said is kept in place; another small one is copied into a block."""
+        written: the forward also wrote it where `reserve` said, which is kept; else a small output is
+        copied into a block, a large one kept as it is."""
         block = self._block
-        if block is not None and hidden.data_ptr() == block.next_row:  # written where `reserve` said
-            block.used, block.readers = block.used + hidden.shape[0], block.readers + 1
-            self.entries.append([hidden, ids, firsts, counts, None, block])
+        if written:
+            at = block.used
+            block.used, block.readers = at + hidden.shape[0], block.readers + 1
+            self.entries.append([block.rows[at:block.used], ids, firsts, counts, None, block])
             self._added += 1
             return
         block = None

@@ -68,14 +68,15 @@ class Proposer:
     def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
         """After validation: `accepted` of the drafts were accepted, `draft_steps` were drafted."""
 
-    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live) -> None:
+    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live,
+             written: bool = False) -> None:
         """A target forward's output (T, H): sequence ids[i]'s next positions are its rows firsts[i] ..
-        firsts[i] + counts[i] - 1; live: every sequence on this rank (SeqState). Only the MTP module
-        reads them."""
+        firsts[i] + counts[i] - 1; live: every sequence on this rank (SeqState); written: the forward
+        also wrote it where `reserve` said. Only the MTP module reads them."""
 
     def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:
-        """Where the next target forward of n rows should write its output (CausalLM.forward's `out`),
-        to be handed to `keep`; None: anywhere."""
+        """Where the next target forward of n rows should also write its output (CausalLM.forward's
+        `out`), for `keep` to keep without a copy; None: nowhere."""
         return None
 
     def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
@@ -132,8 +133,9 @@ class MTPProposer(Proposer):
         self.cache = mtp.new_kv_cache(num_blocks, block_size)
         self.log = HiddenLog()
 
-    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live) -> None:
-        self.log.add(hidden, ids, firsts, counts)
+    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live,
+             written: bool = False) -> None:
+        self.log.add(hidden, ids, firsts, counts, written)
         self.log.trim(live)
 
     def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:

@@ -105,7 +105,8 @@ class ModelRunner:
         batch = AttnBatch.build([s.num_computed for s in seqs], lens, [s.block_table for s in seqs], self.block_size,
                                 self.device)
         ids = torch.tensor([t for p in plan.seqs for t in p.prefill], device=self.device)
-        hidden = self.target(ids, batch, self.cache, self._out_rows(sum(lens)))
+        out = self._out_rows(sum(lens))
+        hidden = self.target(ids, batch, self.cache, out)
         stats.num_tokens = len(ids)
         last = [i for i, p in enumerate(plan.seqs) if p.prefill_last]
         logits = self.target.logits(hidden[batch.last_index[last]]).cpu() if last else None
@@ -114,7 +115,7 @@ class ModelRunner:
             s.num_computed += n
         if self.proposer is not None:
             self.proposer.keep([p.seq_id for p in plan.seqs], hidden, [0, *accumulate(lens[:-1])], lens,
-                               self.seqs.values())
+                               self.seqs.values(), out is not None)
         for row, i in enumerate(last):
             s, p = seqs[i], plan.seqs[i]
             if p.next_token is not None:  # recomputed after a preemption: the token is known
@@ -176,14 +177,15 @@ class ModelRunner:
         drafted = draft.tokens.tolist()  # (n, m) as lists: per-sequence work below stays in Python, not torch
         ids = torch.tensor([t for s, d, n in zip(seqs, drafted, lens) for t in [s.tokens[-1]] + d[:n - 1]],
                            device=self.device)
-        hidden = self.target(ids, batch, self.cache, self._out_rows(sum(lens)))
+        out = self._out_rows(sum(lens))
+        hidden = self.target(ids, batch, self.cache, out)
         logits = self.target.logits(hidden).cpu()  # (T, V); decisions and sampling run on the CPU
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.draft_steps, stats.catchup_tokens = len(ids), draft.steps, draft.catchup_tokens
         stats.draft_seqs = (len(seqs) if draft.rows is None else len(draft.rows)) if draft.steps else 0
         stats.kv_tokens = sum(q * c for q, c in zip(lens, kv))
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
-        outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats)
+        outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats, out is not None)
         t0 = time.perf_counter()
         accepted = [o.accepted for o in outputs]
         self.policy.end_step(step, draft.top_prob, draft.margin, keep, accepted)
@@ -201,13 +203,15 @@ class ModelRunner:
         t1 = time.perf_counter()
         batch = AttnBatch.build(kv, [1] * n, [s.block_table for s in seqs], self.block_size, self.device)
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
-        hidden = self.target(ids, batch, self.cache, self._out_rows(n))
+        out = self._out_rows(n)
+        hidden = self.target(ids, batch, self.cache, out)
         logits = self.target.logits(hidden).cpu()
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
         stats.num_tokens, stats.kv_tokens = n, sum(kv)
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         keep = [0] * n
-        outputs = self._accept(plan, seqs, NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats)
+        outputs = self._accept(plan, seqs, NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats,
+                               out is not None)
         t0 = time.perf_counter()
         self.policy.end_plain_step(step)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
@@ -217,7 +221,7 @@ class ModelRunner:
         return outputs
 
     def _out_rows(self, n: int) -> tuple[torch.Tensor, int] | None:
-        """Where a target forward of n rows writes its output: the rows the proposer keeps it in, if any."""
+        """Where a target forward of n rows also writes its output: the rows the proposer keeps it in, if any."""
         return self.proposer.reserve(n) if self.proposer is not None else None
 
     def _draft(self, seqs: list[SeqState], params: list[SamplingParams], step, trace: bool) -> DraftBlock:
@@ -285,9 +289,11 @@ class ModelRunner:
                           margin[:m].T, torch.stack(entropies, 1).double().numpy() if trace else None, control_ms,
                           run.catchup_tokens)
 
-    def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats) -> list[SeqOutput]:
+    def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats,
+                written: bool = False) -> list[SeqOutput]:
         """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts (a list); lens: keep + 1,
-        the rows of `logits` (T, V) each sequence owns, in order."""
+        the rows of `logits` (T, V) each sequence owns, in order; written: the forward also wrote
+        `hidden` where the proposer reserved (_out_rows)."""
         target = argmax_rows(logits)  # the target's choice after each validated token
         accepted, emitted, row = [], [], 0
         for i, (s, p) in enumerate(zip(seqs, plan.seqs)):
@@ -319,7 +325,7 @@ class ModelRunner:
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
         if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
             self.proposer.keep([p.seq_id for p in plan.seqs], hidden, [0, *accumulate(lens[:-1])],
-                               [a + 1 for a in accepted], self.seqs.values())
+                               [a + 1 for a in accepted], self.seqs.values(), written)
         return outputs
 
 

@@ -243,7 +243,7 @@ void bind_many_rows(py::module& m);
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (into rows of out when given)", nogil(), py::arg("x"),
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (also copied into rows of out when given)", nogil(), py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("out") = py::none(), py::arg("out_row") = 0);
   m.def("rotary_", &rotary_, "neox rotary embedding, in place", nogil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil());
