@@ -23,7 +23,7 @@ from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.pending import every, joined, stacked
 from controller.probes import ProbeSchedule
-from controller.step import SpecStep
+from controller.step import PlainStep, SpecStep
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import YieldsByBatch, batch_bucket, prior_rates
 
@@ -124,8 +124,13 @@ class SpecPolicy:
         model = self.model(version)
         if mode == "adaptive":
             self.adaptive_steps += 1
-            learning = self.cold and k > 0 and self.could_pay(model, len(kv), k)
-            probe = self.probes.due(len(kv), cold=learning)
+            n = len(kv)
+            learning = self.cold and k > 0 and self.could_pay(model, n, k)
+            probe = self.probes.due(n, cold=learning)
+            # past the context where no draft budget beats a plain step: one, without the budget's loop
+            if not probe and k and n > 1 and model.b2 * float(sum(kv) if isinstance(kv, list) else kv.sum()) \
+                    >= self.stand_down_at(model, n, k):
+                return PlainStep(self, model, kv, max_keep, k)
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning)
 
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted) -> None:
@@ -249,6 +254,34 @@ class SpecPolicy:
         out = (tm.other_ms(n) + f[0], terms)
         self._budget_cache[key] = (tm, out)
         return out
+
+    def stand_down_at(self, tm: TimeModel, n: int, k: int) -> float:
+        """The batch's context cost (ms, tm.b2 times its summed context) from which on the draft
+        budget (SpecStep._budget) is 0 for n sequences and up to k drafts: inf where no such
+        point is known. Kept with the budget's terms.
+
+        Draft budget m beats a plain step where e (base + x) > s (F + v x) (e, F, v: its expected
+        tokens, time without the context term and validated tokens per sequence; base: the plain
+        step's; s = 1 + min_gain; x the context cost), and e <= v (a draft is accepted only if
+        verified): for s' = s (1 - 1e-9), m loses once x (e - s' v) <= s' F - e base, i.e. from
+        x = (s' F - e base) / (e - s' v) on where e < s' v. The margin keeps the loop's float
+        comparisons (relative errors near 1e-16) from disagreeing near that point: there it runs."""
+        key = (id(tm), n, k, "down")
+        hit = self._budget_cache.get(key)
+        if hit is not None and hit[0] is tm:
+            return hit[1]
+        base, terms = self.budget_terms(tm, n, k)
+        scale = (1.0 + self.cfg.adaptive.min_gain) * (1.0 - 1e-9)
+        at = -np.inf
+        for _, expected, fixed, verified in terms:
+            slope = expected - scale * verified
+            if slope >= 0.0:
+                at = np.inf
+                break
+            at = max(at, (scale * fixed - expected * base) / slope)
+        at = max(at, 0.0) if np.isfinite(at) else float(at)
+        self._budget_cache[key] = (tm, at)
+        return at
 
     def shares(self, n: int) -> tuple[list[float], list[float]]:
         """The draft yields' (accepted, verified) shares per position for steps of n sequences,

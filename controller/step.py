@@ -22,6 +22,31 @@ from controller.time_model import TimeModel
 EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verifies everything drafted
 
 
+class PlainStep:
+    """An adaptive step past the context where no draft budget beats a plain step
+    (SpecPolicy.stand_down_at): a plain decode step, as a SpecStep with budget 0 would be,
+    without building one between two forwards. The runner and SpecPolicy.end_plain_step read
+    only what it holds; asked for anything else (a test deciding on drafts anyway), it builds
+    that SpecStep and answers from it."""
+
+    __slots__ = ("policy", "model", "kv", "max_keep_list", "k", "_full")
+    mode, probe, cold_start, budget, best_m = "adaptive", False, False, 0, 0
+
+    def __init__(self, policy, model: TimeModel, kv, max_keep, k: int):
+        self.policy, self.model, self.kv, self.max_keep_list, self.k = policy, model, kv, max_keep, k
+        self._full = None
+
+    @property
+    def max_keep(self) -> np.ndarray:
+        return np.asarray(self.max_keep_list, dtype=np.int64)
+
+    def __getattr__(self, name: str):
+        if self._full is None:
+            self._full = SpecStep(self.policy, "adaptive", False, self.kv, self.max_keep_list, self.model, None,
+                                  self.k)
+        return getattr(self._full, name)
+
+
 class SpecStep:
     """mode: static | adaptive | oracle. probe: this adaptive step explores one draft position
     past what the budget found worth drafting. rows: at a probe where drafting does not pay

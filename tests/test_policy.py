@@ -12,7 +12,7 @@ from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrato
 from controller.pending import stacked as _stacked
 from controller.policy import SpecPolicy
 from controller.probes import PLAIN_EVERY, PROBE_EVERY, PROBE_MAX_EVERY
-from controller.step import EXPLORE_EVERY
+from controller.step import EXPLORE_EVERY, PlainStep
 from controller.time_model import TimeModel
 
 
@@ -361,9 +361,13 @@ def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it()
 
 def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k: int) -> int:
     """The draft budget's argmax, every term computed afresh."""
-    n = len(kv)
+    return _budget_at(policy, tm, len(kv), k, tm.b2 * float(kv.sum()))
+
+
+def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float) -> int:
+    """The same for n sequences whose context costs kv_ms."""
     gain, share = policy.shares(n)
-    kv_ms, g = tm.b2 * float(kv.sum()), tm.draft_step_ms(n)
+    g = tm.draft_step_ms(n)
     f = tm.q_ms_at(n * np.arange(1, k + 2)).tolist()
     best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
     for m in range(1, k + 1):
@@ -410,6 +414,36 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
                 _budget_by_the_formula(policy, tm, kv, 7), (trial, n)
     if compiled:
         assert type(policy._one_row[2]).__module__ == "adaspec_cpu_ops"
+
+
+def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop():
+    """From the context cost SpecPolicy.stand_down_at gives on, the budget's formula answers 0
+    (a plain step), and begin_step answers so without its loop (a PlainStep); just below that
+    point the formula drafts: the point is where standing down begins, not a bound far past it."""
+    rng = np.random.default_rng(1)
+    tight = plain = 0
+    for trial in range(150):
+        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True)))
+        _teach(policy, rng.uniform(0.3, 0.95), k=7)
+        policy.probes.hold()  # no probe
+        tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(1e-5, 1e-3),
+                       d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05),
+                       o2=rng.uniform(0, 0.3), o3=rng.uniform(0, 0.02))
+        policy.install(tm)
+        n, k = int(rng.choice([2, 3, 8, 40])), int(rng.choice([3, 7]))
+        at = policy.stand_down_at(tm, n, k)
+        assert at >= 0.0
+        if not np.isfinite(at):
+            continue
+        for x in (at, at * (1 + 1e-12), at * (1 + 1e-6), at * 1.5 + 1e-3, at * 4 + 1.0):
+            assert _budget_at(policy, tm, n, k, x) == 0, (trial, x / max(at, 1e-300))
+        tight += at > 0 and _budget_at(policy, tm, n, k, at * (1 - 1e-6)) > 0
+        for kv in (rng.integers(10, 2000, n), np.full(n, int(at / tm.b2 / n) + 1)):
+            step = policy.begin_step("adaptive", kv.tolist(), [k] * n, 1, k)
+            assert step.best_m == _budget_by_the_formula(policy, tm, kv, k)
+            assert isinstance(step, PlainStep) == (tm.b2 * float(kv.sum()) >= at), trial
+            plain += isinstance(step, PlainStep)
+    assert tight >= 20 and plain >= 40, (tight, plain)
 
 
 def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():

@@ -86,7 +86,8 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
     sequence absent from some forwards): read back from any entry on, across trims, they are
     the rows added; a trim keeps every entry from the oldest one a live sequence reads. With
     small blocks the outputs fill block after block, the emptied ones are reused, and the
-    larger outputs are kept as they are. in_place: each output is also written where `reserve`
+    larger outputs are kept as they are. A step that drafted nothing has one row per sequence, in
+    order. in_place: each output is also written where `reserve`
     says, as the target's forward does, and kept there without a copy."""
     from types import SimpleNamespace
 
@@ -101,12 +102,16 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
         present = [s for i, s in enumerate(seqs) if (step + i) % 5]  # each sits out one forward in five
         counts = [1 + (step + i) % 3 + 4 * (step % 11 == 0) for i in range(len(present))]  # now and then > 8 rows
         gaps = [(step + i) % 2 for i in range(len(present))]  # a rejected draft's row after some
+        plain = step % 4 == 3  # a step that drafted nothing: one row each, said as firsts = counts = None
+        if plain:
+            counts, gaps = [1] * len(present), [0] * len(present)
         firsts = [sum(counts[:i]) + sum(gaps[:i]) for i in range(len(present))]
         h = torch.randn(sum(counts) + sum(gaps), 4, generator=gen)
         out = log.reserve(len(h)) if in_place else None
         if out is not None:  # the forward's output, also written into the rows the log reserved
             out[0][out[1]:out[1] + len(h)].copy_(h)
-        log.add(h, [s.seq_id for s in present], firsts, counts, written=out is not None)
+        log.add(h, [s.seq_id for s in present], None if plain else firsts, None if plain else counts,
+                written=out is not None)
         kept = log.entries[-1][0]
         assert (kept.data_ptr() == h.data_ptr()) == (out is None and len(h) > block_rows // 8)  # kept as it is
         assert out is None or kept.data_ptr() == out[0][out[1]].data_ptr()  # ... or where it was written

@@ -49,8 +49,9 @@ class Block:
 
 class HiddenLog:
     def __init__(self, block_rows: int = BLOCK_ROWS):
-        # per entry: [output (T, H), sequence ids, first row of each, rows of each, {id: place} made on first
-        # read, the Block its output was copied into (None: the forward's own tensor)]
+        # per entry: [output (T, H), sequence ids, first row of each, rows of each (both None: row i is
+        # sequence i's one row), {id: place} made on first read, the Block its output was copied into (None:
+        # the forward's own tensor)]
         self.entries: list[list] = []
         self.first = 0  # the number of entries[0]
         self._added = 0  # entries added since the last trim
@@ -77,9 +78,10 @@ class HiddenLog:
 
     def add(self, hidden: torch.Tensor, ids: list[int], firsts: list[int], counts: list[int],
             written: bool = False) -> None:
-        """A forward's output: sequence ids[i]'s next positions are rows firsts[i] .. firsts[i] + counts[i] - 1.
-        written: the forward also wrote it where `reserve` said, which is kept; else a small output is
-        copied into a block, a large one kept as it is."""
+        """A forward's output: sequence ids[i]'s next positions are rows firsts[i] .. firsts[i] + counts[i]
+        - 1 (firsts, counts None: its next position is row i, as in a step that drafted nothing).
+        written: the forward also wrote it where `reserve` said, which is kept; else a small output
+        is copied into a block, a large one kept as it is."""
         block = self._block
         if written:
             at = block.used
@@ -116,8 +118,11 @@ class HiddenLog:
                 where = entry[4] = {sid: i for i, sid in enumerate(entry[1])}
             i = where.get(seq_id)
             if i is not None:
-                first = entry[2][i]
-                parts.append(entry[0][first:first + entry[3][i]])
+                firsts = entry[2]
+                if firsts is None:
+                    parts.append(entry[0][i:i + 1])
+                else:
+                    parts.append(entry[0][firsts[i]:firsts[i] + entry[3][i]])
         return parts
 
     def trim(self, live) -> None:

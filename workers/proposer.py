@@ -71,8 +71,9 @@ class Proposer:
     def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live,
              written: bool = False) -> None:
         """A target forward's output (T, H): sequence ids[i]'s next positions are its rows firsts[i] ..
-        firsts[i] + counts[i] - 1; live: every sequence on this rank (SeqState); written: the forward
-        also wrote it where `reserve` said. Only the MTP module reads them."""
+        firsts[i] + counts[i] - 1 (both None: its one next position is row i); live: every sequence on
+        this rank (SeqState); written: the forward also wrote it where `reserve` said. Only the MTP
+        module reads them."""
 
     def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:
         """Where the next target forward of n rows should also write its output (CausalLM.forward's

@@ -324,8 +324,12 @@ class ModelRunner:
                 commit(s, a, steps)
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
         if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
-            self.proposer.keep([p.seq_id for p in plan.seqs], hidden, [0, *accumulate(lens[:-1])],
-                               [a + 1 for a in accepted], self.seqs.values(), written)
+            ids = [p.seq_id for p in plan.seqs]
+            if draft.steps:
+                self.proposer.keep(ids, hidden, [0, *accumulate(lens[:-1])], [a + 1 for a in accepted],
+                                   self.seqs.values(), written)
+            else:  # one row each
+                self.proposer.keep(ids, hidden, None, None, self.seqs.values(), written)
         return outputs
 
 
