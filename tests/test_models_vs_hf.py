@@ -114,6 +114,35 @@ def test_chunked_prefill_matches_transformers(tmp_path, attention_path):
             assert (ours - ref[a:b]).abs().max().item() <= 1e-4, (a, b)
 
 
+def test_a_batch_of_long_and_short_queries_matches_transformers(tmp_path, attention_path):
+    """Short queries continuing cached sequences beside a long one (a draft's catch-up where a
+    sequence is new: torch ops take the long query alone and pad the short ones together)."""
+    from transformers import AutoModelForCausalLM
+
+    from models.parallel import TPGroup
+
+    _save_hf("llama", tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [[int(x) for x in torch.randint(0, 250, (n,), generator=gen)] for n in (30, 24, 35, 28)]
+    cached = (27, 21, 33, 0)  # positions already in the cache; the last sequence's whole prompt comes now
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    model = load_causal_lm(tmp_path, TPGroup())
+    caches = model.new_kv_cache(24, BLOCK)
+    tables = [list(range(i * 6, i * 6 + 6)) for i in range(4)]
+    with torch.no_grad():
+        refs = [ref_model(torch.tensor([s])).logits[0] for s in seqs]
+        first = AttnBatch.build([0, 0, 0], list(cached[:3]), tables[:3], BLOCK)
+        model(torch.tensor([t for s, c in zip(seqs, cached) for t in s[:c]]), first, caches)
+        lens = [len(s) - c for s, c in zip(seqs, cached)]
+        batch = AttnBatch.build(list(cached), lens, tables, BLOCK)
+        assert not batch.short
+        ours = model.logits(model(torch.tensor([t for s, c in zip(seqs, cached) for t in s[c:]]), batch, caches))
+    at = 0
+    for s, c, ref in zip(seqs, cached, refs):
+        assert (ours[at:at + len(s) - c] - ref[c:]).abs().max().item() <= 1e-4, c
+        at += len(s) - c
+
+
 def _rank_and_sum(tp, values):
     return tp.rank, tp.all_reduce(torch.tensor(values)).tolist()
 
