@@ -114,8 +114,9 @@ class CausalLM(Module):
 
     def forward(self, ids: torch.Tensor, batch: AttnBatch, caches: list[KVCache],
                 out: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-        """The final hidden states (T, H); out: (rows, first): written into rows[first:first + T]
-        instead of a new tensor (the rows the MTP's hidden log reserved, HiddenLog.reserve)."""
+        """The final hidden states (T, H); out: (rows, first): also copied into rows[first:first + T]
+        (the rows the MTP's hidden log reserved, HiddenLog.reserve), the states returned being a
+        tensor of their own."""
         return self.model(ids, batch, caches, out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
