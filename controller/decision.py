@@ -90,9 +90,7 @@ def step_costs(tm: TimeModel, kv, extra: int, f: tuple | None = None) -> StepCos
     given, is f_table(tm, n, extra) computed before (steps of one batch size repeat it)."""
     n = len(kv)
     f_np, f_list = f_table(tm, n, extra) if f is None else f
-    # the step drafted: its rest costs the drafting extra too, whatever the keep set
-    fixed = int(round((tm.o0 + tm.drafting_extra_ms(n)) * UNITS_PER_MS))
-    per_token = int(round(tm.o1 * UNITS_PER_MS))
+    fixed, per_token = rest_units(tm, n)
     if n <= SMALL:  # the small path may run (n * k <= SMALL): Python ints, no numpy calls
         ctx_list = context_units(tm, kv)
         uniform = n == 0 or min(ctx_list) == max(ctx_list)
@@ -100,6 +98,13 @@ def step_costs(tm: TimeModel, kv, extra: int, f: tuple | None = None) -> StepCos
     # np.rint rounds half to even, as round() does: the same integers as context_units
     ctx = np.rint(tm.b2 * np.asarray(kv, dtype=np.float64) * UNITS_PER_MS).astype(np.int64)
     return StepCosts(n, ctx, [], int(ctx.sum()), bool(ctx.min() == ctx.max()), fixed, per_token, f_np, f_list)
+
+
+def rest_units(tm: TimeModel, n: int) -> tuple[int, int]:
+    """The rest of a drafting step of n sequences in time units: its fixed part (the step
+    drafted, so it costs the drafting extra too, whatever the keep set) and its part per
+    emitted token."""
+    return int(round((tm.o0 + tm.drafting_extra_ms(n)) * UNITS_PER_MS)), int(round(tm.o1 * UNITS_PER_MS))
 
 
 def f_table(tm: TimeModel, n: int, extra: int) -> tuple[np.ndarray, tuple[int, ...]]:

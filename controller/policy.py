@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import draft_units, f_table, step_costs
+from controller.decision import draft_units, f_table, rest_units, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.pending import every, joined, stacked
@@ -62,6 +62,7 @@ class SpecPolicy:
         self.yields = YieldsByBatch(max(cfg.num_speculative_tokens, 1))
         self._f_cache: dict[tuple, tuple] = {}  # values a time model gives a batch size (f_values, draft_step_ms)
         self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms); _set_rates empties it
+        self._caps_cache: dict[tuple, np.ndarray] = {}  # full_caps'
         self._set_rates()
 
     # ------------------------------------------------------------------ time models
@@ -122,16 +123,30 @@ class SpecPolicy:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = learning = False
         model = self.model(version)
+        total = None  # the batch's summed context, where the budget needs it
         if mode == "adaptive":
             self.adaptive_steps += 1
             n = len(kv)
             learning = self.cold and k > 0 and self.could_pay(model, n, k)
             probe = self.probes.due(n, cold=learning)
-            # past the context where no draft budget beats a plain step: one, without the budget's loop
-            if not probe and k and n > 1 and model.b2 * float(sum(kv) if isinstance(kv, list) else kv.sum()) \
-                    >= self.stand_down_at(model, n, k):
-                return PlainStep(self, model, kv, max_keep, k)
-        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning)
+            if n > 1 and k:
+                total = sum(kv) if isinstance(kv, list) else int(kv.sum())
+                # past the context where no draft budget beats a plain step: one, without the budget's loop
+                if not probe and model.b2 * float(total) >= self.stand_down_at(model, n, k):
+                    return PlainStep(self, model, kv, max_keep, k)
+        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total)
+
+    def full_caps(self, n: int, cap: int) -> np.ndarray:
+        """[cap] * n as a read-only array, made once per (n, cap): a large batch's caps, which are
+        usually all the step's k (converting the list cost a step a numpy call)."""
+        key = (n, cap)
+        held = self._caps_cache.get(key)
+        if held is None:
+            if len(self._caps_cache) > 64:
+                self._caps_cache.clear()
+            held = self._caps_cache[key] = np.full(n, cap, dtype=np.int64)
+            held.flags.writeable = False
+        return held
 
     def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted) -> None:
         """The step's outcomes (as `observe`; verified, accepted: lists or arrays), and the probe
@@ -206,6 +221,23 @@ class SpecPolicy:
             return tm.q_ms_at(n * np.arange(1, extra + 2)).tolist() if use == "budget" else f_table(tm, n, extra)
 
         return self._per_model(tm, (use, id(tm), n, extra), compute)
+
+    def many_terms(self, tm: TimeModel, n: int, extra: int) -> tuple[int, int, np.ndarray]:
+        """A large batch's step's time terms in units (step_costs' fixed and per_token, and f for
+        up to `extra` validated drafts), computed once per time model and batch size."""
+        def compute():
+            return (*rest_units(tm, n), self.f_values(tm, "decide", n, extra)[0])
+
+        return self._per_model(tm, ("many", id(tm), n, extra), compute)
+
+    def draft_unit_list(self, tm: TimeModel, n: int, count: int) -> list[int]:
+        """The draft time of m = 0..count - 1 draft steps of n sequences in units (0 for none), as
+        SpecStep._draft_ms gives it, computed once per time model and batch size."""
+        def compute():
+            first, g = self.draft_terms(tm, n)
+            return [0] + [draft_units(first + m * g) for m in range(1, count)]
+
+        return self._per_model(tm, ("units", id(tm), n, count), compute)
 
     def draft_terms(self, tm: TimeModel, n: int) -> tuple[float, float]:
         """(tm.first_ms(n), tm.draft_step_ms(n)): h(n) and g(n), computed once per time model and batch size."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from controller.decision import (CONF_BITS, REFINE_ROUNDS, SMALL, StepCosts, decide_cols, decide_small, decide_with,
-                                 draft_units, quantize, step_costs)
+                                 quantize, step_costs)
 from controller.early_stop import worth_drafting, worth_drafting_paths
 from controller.time_model import TimeModel
 
@@ -58,13 +58,14 @@ class SpecStep:
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
                  "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_one", "_watched", "_many",
-                 "one_row_ok", "_caps", "max_keep_list", "kmax", "best_m", "budget")
+                 "one_row_ok", "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
-                 oracle: np.ndarray | None, k: int, cold_start: bool = False):
+                 oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None):
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, mode, probe, model, oracle
         self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         n = len(kv)
+        self.kv_total = kv_total  # sum(kv), where begin_step had it
         if n <= SMALL:  # small batches: Python ints
             self.kv = self.kv_list = kv if isinstance(kv, list) else kv.tolist()
         else:
@@ -104,6 +105,9 @@ class SpecStep:
             self.max_keep_list = max_keep if isinstance(max_keep, list) else max_keep.tolist()
             self._caps = max_keep if isinstance(max_keep, np.ndarray) else None
             self.kmax = self.max_keep_list[0] if len(max_keep) == 1 else max(self.max_keep_list, default=0)
+        elif isinstance(max_keep, list) and max_keep.count(max_keep[0]) == len(max_keep):  # the usual: all k
+            self._caps = self.policy.full_caps(len(max_keep), max_keep[0])
+            self.max_keep_list, self.kmax = None, max(max_keep[0], 0)
         else:
             self._caps = np.asarray(max_keep, dtype=np.int64)
             self.max_keep_list, self.kmax = None, int(self._caps.max(initial=0))
@@ -137,7 +141,10 @@ class SpecStep:
             best_m = self._one.begin(self.kv_list[0], self.max_keep_list[0], k)
         else:
             # one validated token per sequence: context cost of the batch
-            kv_ms = tm.b2 * float(sum(self.kv_list) if self.kv_list is not None else self.kv.sum())
+            total = self.kv_total
+            if total is None:
+                total = sum(self.kv_list) if self.kv_list is not None else self.kv.sum()
+            kv_ms = tm.b2 * float(total)
             base, terms = policy.budget_terms(tm, n, k)
             best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
             for m, expected, fixed, verified in terms:
@@ -199,7 +206,10 @@ class SpecStep:
         large batch's compiled ManyRows (models/csrc/many_rows.cpp) over the draft loop's
         (budget, n) float64 buffers, where it decides as keep_drafting and keep would (the
         same functions on the same integers), else None: oracle steps, small batches, other
-        estimators, no kernels, or buffers of another layout."""
+        estimators, no kernels, or buffers of another layout. It makes the step's context costs
+        itself from the contexts (as step_costs would), and its time terms come from the policy,
+        computed once per time model and batch size: the costs' numpy calls had been a fifth of
+        a batch-256 step's controller time, right after a forward pass (cold caches)."""
         policy = self.policy
         compiled, adaptive = policy.compiled, policy.cfg.adaptive
         if (compiled is None or self.mode != "adaptive"
@@ -207,13 +217,11 @@ class SpecStep:
                 or top_prob.dtype != np.float64 or margin.dtype != np.float64
                 or not (top_prob.flags.c_contiguous and margin.flags.c_contiguous)):
             return None
-        costs = self._costs()
-        ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
-        base = costs.fixed + costs.ctx_sum
-        heads = [draft_units(self._draft_ms(m)) + base for m in range(self.budget + 2)]
-        self._many = compiled.ManyRows(self.max_keep, ctx, costs.f, heads, policy.next_rates, costs.per_token,
-                                       adaptive.min_gain, costs.uniform, REFINE_ROUNDS, policy.compiled_weights(),
-                                       top_prob, margin)
+        fixed, per_token, f = policy.many_terms(self.model, len(self.kv), len(self.kv) * self.kmax)
+        self._many = compiled.ManyRows(self.max_keep, self.kv, self.model.b2, f, fixed,
+                                       policy.draft_unit_list(self.model, len(self.kv), self.budget + 2),
+                                       policy.next_rates, per_token, adaptive.min_gain, REFINE_ROUNDS,
+                                       policy.compiled_weights(), top_prob, margin)
         return self._many
 
     # ------------------------------------------------------------------ keep
@@ -245,7 +253,8 @@ class SpecStep:
             keep = self.rule_keep = self._many.keep_at(m)
             self.drafted = (self.max_keep, m)
             out = keep.copy()
-            out[self.explore] = np.minimum(self.max_keep[self.explore], m)
+            every = slice(self._first, None, EXPLORE_EVERY)  # the rows `explore` lists, as a slice
+            out[every] = np.minimum(self.max_keep[every], m)
             return out.tolist()
         by_token = policy.cfg.adaptive.estimator == "token_prob"
         if by_token:

@@ -25,7 +25,7 @@ class DraftYields:
         self.drafted = np.zeros(k)
         self.verified = np.zeros(k)
         self.accepted = np.zeros(k)
-        # each step's counts since the last fold, as given: (max_keep, drafts made, verified,
+        # each step's counts since the last fold, as given: ((max_keep, drafts made), verified,
         # accepted). Counted into positions at the fold (`pending`), one histogram per calibration
         # batch, where counting each step cost batch 1 about 10 us a step.
         self._steps: list[tuple] = []
@@ -34,7 +34,7 @@ class DraftYields:
         """A step's drafts and outcomes: sequence i drafted min(m, max_keep[i]) it could verify,
         verified[i] of them, and accepted[i] of those (each a list or an array, held until the
         fold)."""
-        self._steps.append((max_keep, m, verified, accepted))
+        self._steps.append(((max_keep, m), verified, accepted))
 
     def pending(self) -> list[list[int]]:
         """The counts since the last fold: per position j, the drafts made there (that could be
@@ -44,10 +44,12 @@ class DraftYields:
         steps = self._steps
         if not steps:
             return [[], [], []]
-        made = np.minimum(joined([s[0] for s in steps]),
-                          np.repeat(np.array([s[1] for s in steps], dtype=np.int64), [len(s[2]) for s in steps]))
-        return [above(v, int(v.max(initial=0))) for v in (made, joined([s[2] for s in steps]),
-                                                          joined([s[3] for s in steps]))]
+        sizes = [len(s[1]) for s in steps]
+        drafts = np.array([s[0][1] for s in steps], dtype=np.int64)
+        made = np.minimum(joined([s[0][0] for s in steps]),
+                          drafts if max(sizes) == 1 else np.repeat(drafts, sizes))
+        return [above(v, int(v.max(initial=0))) for v in (made, joined([s[1] for s in steps]),
+                                                          joined([s[2] for s in steps]))]
 
     def fold(self) -> None:
         """Add the pending counts (the policy's calibration batches); old evidence halves."""
@@ -102,8 +104,12 @@ class YieldsByBatch:
     def count_steps(self, steps: list[tuple]) -> None:
         """Steps' drafts and outcomes (DraftYields.count), each ((max_keep, drafts made),
         verified, accepted), into the bucket of their batch size, len(verified)."""
-        for (max_keep, m), verified, accepted in steps:
-            self.of(len(verified)).count(max_keep, m, verified, accepted)
+        held, size = None, -1
+        for step in steps:  # as DraftYields.count would, a bucket looked up only where the batch size changes
+            if len(step[1]) != size:
+                size = len(step[1])
+                held = self.of(size)._steps
+            held.append(step)
 
     def fold(self) -> None:
         for yields in self.buckets.values():

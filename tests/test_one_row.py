@@ -287,35 +287,48 @@ def test_many_rows_answers_as_the_kernels_functions_one_by_one(ops):
     """ManyRows (a large batch's step, reading the draft buffers itself) against
     logistic_column, path_column, worth_drafting and decide_cols called one by one, on 300
     random steps with context costs spread wide enough that the keep set's Dinkelbach rounds
-    change it (they must, in some)."""
+    change it (they must, in some), half of them keeping from the last early stop's drafts.
+    Its context costs, from the contexts, are step_costs' (half-way cases included)."""
     from controller.decision import REFINE_ROUNDS
 
     rng = np.random.default_rng(11)
-    refined = 0
+    refined = uniform = 0
     for case in range(300):
         n, k = int(rng.integers(10, 90)), int(rng.integers(1, 8))
         cap = rng.integers(0, k + 1, n).astype(np.int64)
-        ctx = rng.integers(0, 400, n).astype(np.int64)
+        # context costs b2 kv as step_costs makes them, half-way cases (b2 5e-5: kv / 2 units) and none (b2 0) included
+        b2 = float(rng.choice([0.0, 5e-5, float(rng.uniform(1e-6, 1e-4))]))
+        kv = rng.integers(0, 4000, n)
+        costs = step_costs(TimeModel(1, b2=b2), kv.tolist() if case % 2 else kv, n * k)
+        ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
         f = (np.cumsum(rng.integers(20, 200, n * (k + 1) + 1)) + 5000).astype(np.int64)
-        heads = [int(x) for x in np.cumsum(rng.integers(100, 3000, k + 2)) + 20000]
+        fixed = int(rng.integers(0, 20000))
+        draft = [0] + [int(x) for x in np.cumsum(rng.integers(100, 3000, k + 1)) + 2000]
+        heads = [d + fixed + int(ctx.sum()) for d in draft]
         rates = rng.uniform(0.2, 1.0, k).tolist()
         weights = [[float(rng.normal(0.5, 1)), float(rng.uniform(0, 2)), float(rng.uniform(-2, 0)),
                     float(rng.uniform(0, 1))] for _ in range(k)]
         top = rng.beta(2, 1, (k, n))
         margin = top * rng.uniform(0, 1, (k, n))
         per_token, min_gain = int(rng.integers(0, 500)), float(rng.choice([0.0, 0.01]))
-        many = ops.ManyRows(cap, ctx, f, heads, rates, per_token, min_gain, False, REFINE_ROUNDS,
-                            ops.LogisticWeights(weights), top, margin)
+        many = ops.ManyRows(cap, kv.tolist() if case % 2 else kv, b2, f, fixed, draft, rates, per_token, min_gain,
+                            REFINE_ROUNDS, ops.LogisticWeights(weights), top, margin)
+        assert many.ctx == ctx.tolist() and many.uniform == costs.uniform, case
+        uniform += costs.uniform
         cols = []
         for j in range(k):
             cols.append(ops.path_column(ops.logistic_column(weights[j], top[j], margin[j]), cols[-1] if j else None))
-        for j in range(1, k):
-            rate_q = int(quantize(rates[j]))
-            want = ops.worth_drafting(cols[:j], cap, rate_q, ctx, f, heads[j], heads[j + 1], per_token, min_gain, False)
-            assert many.next_at(j) == want, (case, j)
+        # half the steps stop asking at the m they keep from (the keep set then starts from the early
+        # stop's ranking without draft m + 1), the others ask to the end and keep from any m
         m = int(rng.integers(1, k + 1))
-        keep = ops.decide_cols(cols[:m], cap, ctx, f, heads[m], per_token, min_gain, False, REFINE_ROUNDS)[0]
+        for j in range(1, k if case % 2 else m + (m < k)):
+            rate_q = int(quantize(rates[j]))
+            want = ops.worth_drafting(cols[:j], cap, rate_q, ctx, f, heads[j], heads[j + 1], per_token, min_gain,
+                                      costs.uniform)
+            assert many.next_at(j) == want, (case, j)
+        keep = ops.decide_cols(cols[:m], cap, ctx, f, heads[m], per_token, min_gain, costs.uniform, REFINE_ROUNDS)[0]
         assert many.keep_at(m).tolist() == keep.tolist(), case
-        refined += keep.tolist() != ops.decide_cols(cols[:m], cap, ctx, f, heads[m], per_token, min_gain, False,
-                                                     0)[0].tolist()
+        refined += keep.tolist() != ops.decide_cols(cols[:m], cap, ctx, f, heads[m], per_token, min_gain,
+                                                     costs.uniform, 0)[0].tolist()
     assert refined  # the rounds changed some keep sets, so the test sees whether ManyRows runs them
+    assert 0 < uniform < 300  # both kinds of step (b2 = 0: every sequence's context costs the same)

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -37,11 +38,14 @@ struct Costs {
   bool uniform;
 };
 
-// controller/decision.py's decide_cols on columns (rank.cpp).
-Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Costs& c, int64_t head, int rounds);
-// controller/early_stop.py's worth_drafting_paths on columns (rank.cpp).
+// controller/decision.py's decide_cols on columns (rank.cpp); first: its first ranking, where
+// already made (worth_drafting_on's stop on the same columns and head), else null.
+Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Costs& c, int64_t head, int rounds,
+                      const Ranked* first);
+// controller/early_stop.py's worth_drafting_paths on columns (rank.cpp); stop, where given,
+// receives its ranking without the next draft when it made one.
 bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t rate_q, const Costs& c,
-                       int64_t head_stop, int64_t head_go);
+                       int64_t head_stop, int64_t head_go, std::optional<Ranked>* stop);
 // decision.py's quantize of one estimate: round half to even, clipped to [0, CONF_ONE] (rank.cpp).
 int64_t quantize_estimate(double conf);
 // A position's path column: each estimate quantised, times the previous position's path

@@ -35,41 +35,61 @@ constexpr int64_t CONF_ONE = int64_t(1) << CONF_BITS;
 constexpr int RATIO_BITS = 24;
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-struct Cand {  // a candidate draft: its ranking key and index (j * n + i)
-  int64_t key, at;
+struct Cand {  // a candidate draft: its ranking key, index (j * n + i) and sequence i
+  int64_t key;
+  int32_t at, seq;
 };
 
 // Largest key first, ties in input order (cands arrive in index order: the stable sort's
-// order, as the numpy twin's). A least-significant-digit radix sort on each key's distance
-// below the largest, a byte a pass, as many passes as the keys' spread needs: path
-// probabilities have 12 bits, so two passes where every sequence costs the same. std::sort
-// spent most of a ranking's time on the many equal keys (0.3 ms at 7,000 candidates); below
-// 256 candidates it stays, as clearing the counts would cost more.
+// order, as the numpy twin's). From 256 candidates a bucket sort on each key's distance
+// below the largest: one stable pass into 2^B buckets by the distance's top B bits (B about
+// log2 of twice the count, up to 13), then each bucket of several keys sorted on its own,
+// by key and index. Where the distances have at most 13 bits (path probabilities have 12)
+// the buckets are the keys and the pass alone sorts them. An LSD radix sort, a byte a pass,
+// took 4-5 passes on the ratio keys (36% of an early stop's time at batch 256); std::sort
+// spent most of its time on the many equal keys (0.3 ms at 7,000 candidates). Below 256
+// candidates it stays, as clearing the counts would cost more.
 void sort_desc(std::vector<Cand>& cands) {
   const size_t N = cands.size();
+  auto before = [](const Cand& x, const Cand& y) { return x.key > y.key || (x.key == y.key && x.at < y.at); };
   if (N < 256) {  // few: comparisons beat clearing the counts
-    std::sort(cands.begin(), cands.end(),
-              [](const Cand& x, const Cand& y) { return x.key > y.key || (x.key == y.key && x.at < y.at); });
+    std::sort(cands.begin(), cands.end(), before);
     return;
   }
   int64_t top = cands[0].key;
   for (const Cand& c : cands) top = std::max(top, c.key);
   uint64_t spread = 0;
-  for (Cand& c : cands) {
-    c.key = int64_t(uint64_t(top) - uint64_t(c.key));  // the distance, as unsigned bits (no overflow)
-    spread |= uint64_t(c.key);
+  for (const Cand& c : cands) spread |= uint64_t(top) - uint64_t(c.key);  // distances, as unsigned bits
+  int width = 0;  // bits of the largest distance
+  while (width < 64 && (spread >> width)) ++width;
+  int bits = 8;
+  while (bits < 13 && (size_t(1) << bits) < 2 * N) ++bits;
+  if (width <= 13) bits = std::max(width, 1);  // the buckets can be the keys themselves
+  const int shift = std::max(0, width - bits);
+  std::vector<uint32_t> count((size_t(1) << bits) + 1, 0u);
+  auto bucket = [&](const Cand& c) { return size_t((uint64_t(top) - uint64_t(c.key)) >> shift); };
+  for (const Cand& c : cands) ++count[bucket(c) + 1];
+  for (size_t b = 1; b < count.size(); ++b) count[b] += count[b - 1];
+  std::vector<Cand> out(N);
+  for (const Cand& c : cands) out[count[bucket(c)]++] = c;  // count[b] now ends bucket b
+  if (shift) {
+    for (size_t b = 0, start = 0; b + 1 < count.size() && start < N; ++b) {
+      const size_t end = count[b];
+      if (end - start > 1) std::sort(out.begin() + start, out.begin() + end, before);
+      start = end;
+    }
   }
-  std::vector<Cand> other(N);
-  constexpr int BITS = 8, BUCKETS = 1 << BITS;
-  std::vector<uint32_t> count(BUCKETS + 1);
-  for (int shift = 0; shift < 64 && (spread >> shift); shift += BITS) {
-    std::fill(count.begin(), count.end(), 0u);
-    for (const Cand& c : cands) ++count[((uint64_t(c.key) >> shift) & (BUCKETS - 1)) + 1];
-    for (int b = 0; b < BUCKETS; ++b) count[b + 1] += count[b];
-    for (const Cand& c : cands) other[count[(uint64_t(c.key) >> shift) & (BUCKETS - 1)]++] = c;
-    cands.swap(other);
-  }
-  for (Cand& c : cands) c.key = int64_t(uint64_t(top) - uint64_t(c.key));
+  cands.swap(out);
+}
+
+// floor(x / d) for 0 <= x < 2^53 and 0 < d < 2^53: the correctly rounded double quotient is
+// within one of it, so one correction makes it exact (an integer division costs several
+// times a double one, and a ranking made one per candidate).
+inline int64_t floor_div(int64_t x, int64_t d) {
+  int64_t q = int64_t(double(x) / double(d));
+  if (q * d > x) --q;
+  else if ((q + 1) * d <= x) ++q;
+  return q;
 }
 
 // a: j-major quantised path probabilities (a[j * n + i] for sequence i's draft j), 0 where a
@@ -78,18 +98,25 @@ void sort_desc(std::vector<Cand>& cands) {
 // added tokens, head: the step's other time.
 Ranked rank(const int64_t* a, int64_t n, int64_t k, int mode, int64_t s, int64_t d, int64_t e0, const int64_t* ctx,
             const int64_t* f, int64_t f_len, int64_t head, int64_t per_token, double min_gain) {
+  if (n * k >= (int64_t(1) << 31)) throw py::value_error("too many candidates to rank");
   std::vector<Cand> cands;
   cands.reserve(size_t(n * k));
-  for (int64_t at = 0; at < n * k; ++at) {
-    const int64_t v = a[at];
-    if (v <= 0) continue;
-    const int64_t c = ctx[at % n];
-    cands.push_back({mode == 0 ? v : (mode == 1 ? (v << RATIO_BITS) / (s + c) : v * d - e0 * CONF_ONE * c), at});
+  for (int64_t j = 0, at = 0; j < k; ++j) {
+    for (int64_t i = 0; i < n; ++i, ++at) {
+      const int64_t v = a[at];
+      if (v <= 0) continue;
+      int64_t key = v;
+      if (mode == 1) {
+        const int64_t x = v << RATIO_BITS, den = s + ctx[i];
+        key = (x < (int64_t(1) << 53) && den > 0 && den < (int64_t(1) << 53)) ? floor_div(x, den) : x / den;
+      } else if (mode == 2) {
+        key = v * d - e0 * CONF_ONE * ctx[i];
+      }
+      cands.push_back({key, int32_t(at), int32_t(i)});
+    }
   }
   sort_desc(cands);
-  std::vector<int64_t> idx(cands.size());
-  for (size_t c = 0; c < cands.size(); ++c) idx[c] = cands[c].at;
-  const int64_t live = int64_t(idx.size());
+  const int64_t live = int64_t(cands.size());
   if (f_len < live + 1) throw py::value_error("f is shorter than the candidates");
   Ranked best;
   int64_t e = n * CONF_ONE, cum_ctx = 0;
@@ -104,13 +131,13 @@ Ranked rank(const int64_t* a, int64_t n, int64_t k, int mode, int64_t s, int64_t
     }
     if (c == 0 || score > best.score) best.count = c, best.score = score, best.e = e, best.t = t;
     if (c < live) {
-      const int64_t at = idx[size_t(c)];
-      e += a[at];
-      cum_ctx += ctx[at % n];
+      const Cand& at = cands[size_t(c)];
+      e += a[at.at];
+      cum_ctx += ctx[at.seq];
     }
   }
   best.keep.assign(size_t(n), 0);
-  for (int64_t c = 0; c < best.count; ++c) best.keep[size_t(idx[size_t(c)] % n)] += 1;
+  for (int64_t c = 0; c < best.count; ++c) best.keep[size_t(cands[size_t(c)].seq)] += 1;
   return best;
 }
 
@@ -187,7 +214,7 @@ py::tuple decide_cols(const std::vector<I64>& cols, I64 cap, I64 ctx, I64 f, int
   const int64_t n = cap.size();
   if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
   const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
-  const Ranked best = decide_cols_on(column_pointers(cols, n), n, cap.data(), c, head, rounds);
+  const Ranked best = decide_cols_on(column_pointers(cols, n), n, cap.data(), c, head, rounds, nullptr);
   return py::make_tuple(py::array_t<int64_t>(n, best.keep.data()), best.score);
 }
 
@@ -196,17 +223,20 @@ bool worth_drafting(const std::vector<I64>& cols, I64 cap, int64_t rate_q, I64 c
   const int64_t n = cap.size();
   if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
   const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
-  return worth_drafting_on(column_pointers(cols, n), n, cap.data(), rate_q, c, head_stop, head_go);
+  return worth_drafting_on(column_pointers(cols, n), n, cap.data(), rate_q, c, head_stop, head_go, nullptr);
 }
 
 }  // namespace
 
 // controller/decision.py's decide_cols: the keep set from the drafted positions' path
-// probabilities before the caps, with decide_paths' Dinkelbach rounds.
-Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Costs& c, int64_t head, int rounds) {
+// probabilities before the caps, with decide_paths' Dinkelbach rounds. first: its first
+// ranking where the caller already made it (worth_drafting_on's `stop` on the same columns
+// and head), else null.
+Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Costs& c, int64_t head, int rounds,
+                      const Ranked* first) {
   const int64_t k = int64_t(cols.size());
   const std::vector<int64_t> a = capped_jmajor(cols, n, caps, 0);
-  Ranked best = rank_ratio(a, n, k, c.uniform, c.ctx, c.f, c.f_len, head, c.per_token, c.min_gain);
+  Ranked best = first ? *first : rank_ratio(a, n, k, c.uniform, c.ctx, c.f, c.f_len, head, c.per_token, c.min_gain);
   for (int r = 0; r < (c.uniform ? 0 : rounds); ++r) {
     const int64_t d = best.t * CONF_ONE - best.e * c.per_token;
     if (d <= 0) break;
@@ -219,9 +249,10 @@ Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Co
 
 // controller/early_stop.py's worth_drafting_paths: cols, the j drafted positions' path
 // probabilities before the caps; the next position at rate_q; the best keep set with it (at
-// head_go) must keep a draft past j and beat the best without it (at head_stop).
+// head_go) must keep a draft past j and beat the best without it (at head_stop). stop: where
+// given, receives the ranking without it when one was made (decide_cols_on's first at head_stop).
 bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t rate_q, const Costs& c,
-                       int64_t head_stop, int64_t head_go) {
+                       int64_t head_stop, int64_t head_go, std::optional<Ranked>* stop) {
   const int64_t j = int64_t(cols.size());
   std::vector<int64_t> a = capped_jmajor(cols, n, caps, size_t(n));
   const int64_t* last = cols.back();
@@ -229,8 +260,10 @@ bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t
   const Ranked go = rank_ratio(a, n, j + 1, c.uniform, c.ctx, c.f, c.f_len, head_go, c.per_token, c.min_gain);
   if (*std::max_element(go.keep.begin(), go.keep.end()) <= j) return false;
   a.resize(size_t(j * n));  // j-major: the first j positions
-  const Ranked stop = rank_ratio(a, n, j, c.uniform, c.ctx, c.f, c.f_len, head_stop, c.per_token, c.min_gain);
-  return go.score > stop.score;
+  Ranked without = rank_ratio(a, n, j, c.uniform, c.ctx, c.f, c.f_len, head_stop, c.per_token, c.min_gain);
+  const bool more = go.score > without.score;
+  if (stop) *stop = std::move(without);
+  return more;
 }
 
 // path_column's quantisation of one estimate (decision.py's quantize).
