@@ -15,12 +15,12 @@ estimators.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from cluster.bench.results import write_report
 from cluster.engine.trace import read_trace
 from controller.estimators import Calibrator, LogisticCalibrator, outcomes
 
@@ -108,11 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if not trace.is_file():
         raise FileNotFoundError(f"--trace {trace}: no such file")
     result = evaluate(trace)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "estimators.json").write_text(json.dumps({"trace": str(trace), "estimators": result}, indent=1))
     table = markdown(result, str(trace))
-    (out / "estimators.md").write_text(table)
+    write_report(Path(args.out), "estimators", {"trace": str(trace), "estimators": result}, table)
     print(table)
     return 0
 

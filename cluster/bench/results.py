@@ -71,10 +71,15 @@ def machine_note(device: str) -> str:
             f"torch {torch.__version__} on {where}")
 
 
+def write_report(out_dir: Path, stem: str, result: dict, table: str) -> None:
+    """result as STEM.json and its Markdown table as STEM.md, in out_dir (made if missing)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"{stem}.md").write_text(table)
+
+
 def write_outputs(result: dict, out_dir: Path) -> None:
     from cluster.bench.report import markdown, plot
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "bench.md").write_text(markdown(result))
+    write_report(out_dir, "bench", result, markdown(result))
     plot(result, out_dir / "bench.png")

@@ -6,11 +6,13 @@ import sys
 
 from cluster.entrypoints import acceptance, generate, launch, profile, simulate
 from cluster.entrypoints import serve as serve_cli
+from cluster.bench import controller as bench_controller
 from cluster.bench import estimators
 from cluster.bench import offline as bench
 from cluster.bench import serving as bench_serve
 
-COMMANDS = {"generate": generate, "bench": bench, "bench-serve": bench_serve, "profile": profile,
+COMMANDS = {"generate": generate, "bench": bench, "bench-serve": bench_serve, "bench-controller": bench_controller,
+            "profile": profile,
             "acceptance": acceptance, "estimators": estimators, "serve": serve_cli, "launch": launch,
             "simulate": simulate}
 
