@@ -23,6 +23,7 @@ from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
 from controller.pending import every, joined, stacked
 from controller.probes import ProbeSchedule
+from controller.one_row_step import OneRowStep
 from controller.step import PlainStep, SpecStep
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import YieldsByBatch, batch_bucket, prior_rates
@@ -45,6 +46,9 @@ class SpecPolicy:
         # read at every step: held here, one attribute away (each lookup costs batch 1 time, caches cold)
         self.early_stop_on = cfg.adaptive.early_stop
         self.logistic_estimates = cfg.adaptive.estimator == "top_prob_logistic"
+        # adaptive steps of one sequence on the logistic estimate as OneRowSteps (False: SpecSteps, which
+        # decide alike in more Python; tests compare the two)
+        self.one_row_steps = self.logistic_estimates
         self._one_row: tuple | None = None  # batch 1: (time model, extra, its OneRow)
         self._compiled_weights: tuple | None = None  # (logistic weights, as the kernels take them)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
@@ -129,6 +133,8 @@ class SpecPolicy:
             n = len(kv)
             learning = self.cold and k > 0 and self.could_pay(model, n, k)
             probe = self.probes.due(n, cold=learning)
+            if n == 1 and k and self.one_row_steps:
+                return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning)
             if n > 1 and k:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop

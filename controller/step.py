@@ -57,8 +57,8 @@ class SpecStep:
 
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
-                 "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_one", "_watched", "_many",
-                 "one_row_ok", "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total")
+                 "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_many",
+                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None):
@@ -79,11 +79,7 @@ class SpecStep:
         self.conf: list | None = None  # adaptive steps: acceptance estimates of the positions drafted so far
         self._paths: list[np.ndarray] = []  # large batches: their quantised path probabilities, before the caps
         self._hg: tuple | None = None  # the time model's h(n) and g(n), asked once per step
-        self._one = None  # batch 1 (logistic estimate): its prefixes, built up a draft at a time (OneRow)
-        self._watched = False  # ... which reads the draft loop's buffers itself (early_stop)
-        self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads them too
-        # an adaptive batch-1 step on the logistic estimate: its OneRow decides
-        self.one_row_ok = n == 1 and mode == "adaptive" and policy.logistic_estimates
+        self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads the draft buffers
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.budget = self._budget(k) if mode == "adaptive" and k else k
@@ -136,21 +132,17 @@ class SpecStep:
         context (O(k) scalar arithmetic, the same on every rank). 0 means a plain decode step.
         Sets best_m."""
         policy, tm, n = self.policy, self.model, len(self.kv)
-        if self.one_row_ok:  # batch 1: its OneRow answers, term for term (one call, compiled)
-            self._one = policy.one_row(tm, self.kmax)
-            best_m = self._one.begin(self.kv_list[0], self.max_keep_list[0], k)
-        else:
-            # one validated token per sequence: context cost of the batch
-            total = self.kv_total
-            if total is None:
-                total = sum(self.kv_list) if self.kv_list is not None else self.kv.sum()
-            kv_ms = tm.b2 * float(total)
-            base, terms = policy.budget_terms(tm, n, k)
-            best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
-            for m, expected, fixed, verified in terms:
-                theta = expected / (fixed + verified * kv_ms)
-                if theta > best * scale:
-                    best_m, best = m, theta
+        # one validated token per sequence: context cost of the batch (batch 1's OneRowStep: its OneRow's begin)
+        total = self.kv_total
+        if total is None:
+            total = sum(self.kv_list) if self.kv_list is not None else self.kv.sum()
+        kv_ms = tm.b2 * float(total)
+        base, terms = policy.budget_terms(tm, n, k)
+        best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
+        for m, expected, fixed, verified in terms:
+            theta = expected / (fixed + verified * kv_ms)
+            if theta > best * scale:
+                best_m, best = m, theta
         self.best_m = best_m
         if self.probe:
             return min(k, best_m + 1)
@@ -171,8 +163,6 @@ class SpecStep:
         if self.mode != "adaptive" or self.probe or not self.policy.early_stop_on:
             return True
         # draft times are predicted, never measured: the same on every rank
-        if self.one_row_ok:
-            return self._one_row().next(j, float(top_prob[0, j - 1]), float(margin[0, j - 1]))
         cols = self._estimates(top_prob, margin, j)
         if not isinstance(cols[0], list):  # large batch: each position's path probabilities quantised once
             return worth_drafting_paths(self._path_cols(j), self._costs(), self.policy.cfg.adaptive.min_gain,
@@ -185,24 +175,17 @@ class SpecStep:
         """The early stop over the draft loop's (budget, n) buffers, which it fills a row per
         position: a callable j -> keep_drafting after j drafts, or None where the step drafts
         its whole budget (static steps, probes, early_stop off: asking cost static-3 about 20
-        us a step at batch 1). Batch 1 on the logistic estimate: its OneRow's next_at, which
-        reads row j - 1 itself, so the question between two draft forwards is one call
-        (compiled, where the kernels load)."""
+        us a step at batch 1). (Batch 1 on the logistic estimate: OneRowStep's.)"""
         if self.mode != "oracle" and (self.mode != "adaptive" or self.probe or not self.policy.early_stop_on):
             return None
         # from here: an oracle step, or an adaptive one that may stop early
-        if self.one_row_ok:
-            one = self._one_row()
-            one.watch(top_prob, margin)
-            self._watched = True
-            return one.next_at
         many = self._many_rows(top_prob, margin)
         if many is not None:
             return many.next_at
         return lambda j: self.keep_drafting(top_prob[:j].T, margin[:j].T, tokens[:j].T)
 
     def _many_rows(self, top_prob: np.ndarray, margin: np.ndarray):
-        """For early_stop, past its checks (no probe, early_stop on, not batch 1's OneRow): a
+        """For early_stop, past its checks (no probe, early_stop on): a
         large batch's compiled ManyRows (models/csrc/many_rows.cpp) over the draft loop's
         (budget, n) float64 buffers, where it decides as keep_drafting and keep would (the
         same functions on the same integers), else None: oracle steps, small batches, other
@@ -230,25 +213,13 @@ class SpecStep:
         """The drafts each sequence validates, a list of n ints; top_prob, token_prob, margin,
         tokens: (n, m)."""
         n, m = top_prob.shape
-        if self.mode == "oracle":
-            return np.minimum(np.minimum(self._oracle_match(tokens), self.max_keep), m).tolist()
+        if self.mode == "oracle":  # (tokens may be a tensor: only an oracle step reads them)
+            return np.minimum(np.minimum(self._oracle_match(np.asarray(tokens)), self.max_keep), m).tolist()
         if self.mode == "static" or m == 0:
             if self.max_keep_list is not None:
                 return [c if c < m else m for c in self.max_keep_list]
             return np.minimum(self.max_keep, m).tolist()
         policy = self.policy
-        if self.one_row_ok:
-            one = self._one_row()
-            if self._watched:  # the last draft's estimate read from the draft loop's buffers, in the same call
-                count = one.keep_at(m)
-            else:  # a probe's drafts (no early stop)
-                for j in range(one.drafts, m):
-                    one.add_logistic(float(top_prob[0, j]), float(margin[0, j]))
-                count = one.keep(m)
-            self.rule_keep, self.drafted = [count], (self.max_keep_list, m)
-            # (batch 1 explores when the rotation starts at its row: explore is [0] or [])
-            explored = self._first == 0 if self._explore is None else self._explore
-            return [min(self.max_keep_list[0], m) if explored else count]
         if self._many is not None:  # a large batch's ManyRows: the estimates it made for the early stop, reused
             keep = self.rule_keep = self._many.keep_at(m)
             self.drafted = (self.max_keep, m)
@@ -285,14 +256,6 @@ class SpecStep:
         return out.tolist()
 
     # ------------------------------------------------------------------ helpers
-    def _one_row(self):
-        """Batch 1's OneRow for this step (SpecPolicy.one_row), begun by the budget (or here,
-        where the step had none to choose)."""
-        if self._one is None:
-            self._one = self.policy.one_row(self.model, self.kmax)
-            self._one.begin(self.kv_list[0], self.max_keep_list[0], 0)
-        return self._one
-
     def _costs(self) -> StepCosts:
         """The step's decision costs, computed on first use (a step that drafts nothing never needs them)."""
         if self.costs is None:

@@ -114,15 +114,18 @@ class _Started(Exception):
 
 @pytest.fixture
 def no_engines(monkeypatch):
-    """Commands run up to the point where they would start Ray or an engine."""
+    """Commands run up to the point where they would start Ray or an engine (bench-controller,
+    which takes no config: up to its first measurement)."""
+    from cluster.bench import controller as bench_controller
     from cluster.entrypoints import common, generate
 
     def stop(*args, **kwargs):
         raise _Started
 
     monkeypatch.setattr(generate, "open_engine", stop)
+    monkeypatch.setattr(bench_controller, "run_batch", stop)
     for name, module in cli.COMMANDS.items():
-        if name != "generate":
+        if name not in ("generate", "bench-controller"):
             monkeypatch.setattr(module, "run", lambda args: (common.config_from_args(args), stop())[1])
 
 

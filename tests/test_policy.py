@@ -12,6 +12,7 @@ from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrato
 from controller.pending import stacked as _stacked
 from controller.policy import SpecPolicy
 from controller.probes import PLAIN_EVERY, PROBE_EVERY, PROBE_MAX_EVERY
+from controller.one_row_step import OneRowStep
 from controller.step import EXPLORE_EVERY, PlainStep
 from controller.time_model import TimeModel
 
@@ -365,7 +366,7 @@ def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it()
     verified = []
     for _ in range(2 * EXPLORE_EVERY):
         step = policy.begin_step("adaptive", [100], [4], 1, 4)
-        assert step.one_row_ok
+        assert isinstance(step, OneRowStep)
         keep = step.keep(top, top, margin, None)
         explored = -policy.adaptive_steps % EXPLORE_EVERY == 0
         assert step.rule_keep == [0] and keep == ([3] if explored else [0])

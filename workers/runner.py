@@ -165,7 +165,7 @@ class ModelRunner:
             return self._decode_plain(plan, seqs, kv, step, stats)
         draft = self._draft(seqs, [p.sampling for p in plan.seqs], step, plan.trace)
         t2 = time.perf_counter()
-        keep = step.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens.numpy())  # (n,) list
+        keep = step.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens)  # (n,) list
         t3 = time.perf_counter()
         stats.draft_ms = (t2 - t1) * 1e3 - draft.control_ms  # the draft forwards, without the early stop
         stats.control_ms = (t1 - t0 + t3 - t2) * 1e3 + draft.control_ms

@@ -1,0 +1,78 @@
+"""Batch 1's adaptive step on the logistic estimate: SpecStep's decisions for one sequence,
+made by its OneRow (controller/one_row.py, compiled where the kernels load).
+
+SpecPolicy.begin_step makes one for every adaptive step of one sequence (the default
+estimator, k > 0). It answers as a SpecStep would at batch 1, decision for decision (the
+general step reaches the same integers through decide_small and worth_drafting, which
+tests/test_one_row_step.py holds it to), with less Python on the way: between two forward
+passes, which evict the caches, the general step's set-up and branches had cost batch 1
+about 4.5 us of its 47 us of controller time a step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.step import EXPLORE_EVERY, SpecStep
+from controller.time_model import TimeModel
+
+
+class OneRowStep(SpecStep):
+    __slots__ = ("_one", "_watched")  # the step's OneRow (SpecPolicy.one_row); early_stop gave it the buffers
+
+    def __init__(self, policy, probe: bool, kv, max_keep, model: TimeModel, k: int, cold_start: bool = False):
+        """kv, max_keep: one context length and cap (lists, or arrays); k > 0: drafts the step may make."""
+        self.policy, self.mode, self.probe, self.model, self.oracle = policy, "adaptive", probe, model, None
+        self.cold_start = cold_start
+        self.kv = self.kv_list = kv if isinstance(kv, list) else kv.tolist()
+        self.max_keep_list = max_keep if isinstance(max_keep, list) else max_keep.tolist()
+        self._caps = None if isinstance(max_keep, list) else max_keep
+        self.kv_total = self._explore = self.rows = self.costs = self.rule_keep = self.drafted = None
+        self.conf = self._hg = self._many = None
+        self._paths = []
+        self._watched = False
+        self._first = -policy.adaptive_steps % EXPLORE_EVERY  # 0: this step explores its row
+        cap = self.kmax = self.max_keep_list[0]
+        # the budget (SpecStep._budget): the OneRow's best m, one position more for a probe or the early stop
+        one = self._one = policy.one_row(model, cap)
+        best_m = self.best_m = one.begin(self.kv_list[0], cap, k)
+        budget = min(k, best_m + 1) if probe or (best_m and policy.early_stop_on) else best_m
+        if budget and not probe and policy.probes.plain_due():
+            budget = 0  # a plain probe
+        if probe and best_m == 0 and budget:  # a stand-down probe: its one row drafts, and exploration verifies it
+            self.rows = self._explore = [0]
+            if not cap:
+                budget, self.rows = 0, None
+        self.budget = budget
+
+    def keep_drafting(self, top_prob: np.ndarray, margin: np.ndarray, tokens) -> bool:
+        """SpecStep.keep_drafting: after j drafts (top_prob, margin: (1, j)), is draft j + 1 worth drafting?"""
+        if self.probe or not self.policy.early_stop_on:
+            return True
+        j = top_prob.shape[1]
+        return self._one.next(j, float(top_prob[0, j - 1]), float(margin[0, j - 1]))
+
+    def early_stop(self, top_prob: np.ndarray, margin: np.ndarray, tokens):
+        """SpecStep.early_stop: the OneRow's next_at over the draft loop's (budget, 1) buffers,
+        which it reads itself (one call between two draft forwards); None at a probe."""
+        if self.probe or not self.policy.early_stop_on:
+            return None
+        one = self._one
+        one.watch(top_prob, margin)
+        self._watched = True
+        return one.next_at
+
+    def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray, tokens) -> list[int]:
+        """SpecStep.keep: [drafts the sequence validates] of the m drafted (top_prob, margin: (1, m))."""
+        m, cap = top_prob.shape[1], self.max_keep_list[0]
+        if m == 0:
+            return [0]
+        one = self._one
+        if self._watched:  # the last draft's estimate read from the draft loop's buffers, in the same call
+            count = one.keep_at(m)
+        else:  # a probe's drafts (no early stop)
+            for j in range(one.drafts, m):
+                one.add_logistic(float(top_prob[0, j]), float(margin[0, j]))
+            count = one.keep(m)
+        self.rule_keep, self.drafted = [count], (self.max_keep_list, m)
+        explored = self._first == 0 if self._explore is None else self._explore
+        return [min(cap, m) if explored else count]
