@@ -221,12 +221,10 @@ class SpecStep:
             return np.minimum(self.max_keep, m).tolist()
         policy = self.policy
         if self._many is not None:  # a large batch's ManyRows: the estimates it made for the early stop, reused
-            keep = self.rule_keep = self._many.keep_at(m)
+            # the rule's choice, and the list with exploration's rows (`explore`) verifying all they drafted
+            self.rule_keep, out = self._many.keep_explored(m, self._first, EXPLORE_EVERY)
             self.drafted = (self.max_keep, m)
-            out = keep.copy()
-            every = slice(self._first, None, EXPLORE_EVERY)  # the rows `explore` lists, as a slice
-            out[every] = np.minimum(self.max_keep[every], m)
-            return out.tolist()
+            return out
         by_token = policy.cfg.adaptive.estimator == "token_prob"
         if by_token:
             conf = token_prob

@@ -72,13 +72,19 @@ class ManyRows {
   }
 
   // The keep set after m drafts, per sequence.
-  py::array_t<int64_t> keep_at(int64_t m) {
-    if (m < 1 || m > rows_) throw py::index_error("ManyRows.keep_at: no such row in the draft buffers");
-    add_up_to(m);
-    // where the early stop after m drafts said stop, its ranking without draft m + 1 is this one's first
-    const Ranked* first = stop_at_ == m && stop_ ? &*stop_ : nullptr;
-    const Ranked best = decide_cols_on(columns(m), n_, cap_.data(), costs_, heads_.at(size_t(m)), rounds_, first);
-    return py::array_t<int64_t>(n_, best.keep.data());
+  py::array_t<int64_t> keep_at(int64_t m) { return py::array_t<int64_t>(n_, decide(m).data()); }
+
+  // keep_at(m), and what the step validates: the same but for the rows exploration verifies
+  // everything drafted (first, first + every, ..: min(cap, m) each), as a list (SpecStep.keep's).
+  py::tuple keep_explored(int64_t m, int64_t first, int64_t every) {
+    if (first < 0 || every < 1) throw py::value_error("ManyRows.keep_explored: first >= 0 and every >= 1");
+    const std::vector<int64_t> rule = decide(m);
+    py::list out(n_);
+    for (int64_t i = 0; i < n_; ++i) {
+      const bool explored = i >= first && (i - first) % every == 0;
+      out[size_t(i)] = explored ? std::min(cap_[size_t(i)], m) : rule[size_t(i)];
+    }
+    return py::make_tuple(py::array_t<int64_t>(n_, rule.data()), out);
   }
 
   int64_t drafts() const { return int64_t(cols_.size()); }
@@ -86,6 +92,15 @@ class ManyRows {
   bool uniform() const { return costs_.uniform; }
 
  private:
+  // The keep set after m drafts (keep_at's), as a vector.
+  std::vector<int64_t> decide(int64_t m) {
+    if (m < 1 || m > rows_) throw py::index_error("ManyRows.keep_at: no such row in the draft buffers");
+    add_up_to(m);
+    // where the early stop after m drafts said stop, its ranking without draft m + 1 is this one's first
+    const Ranked* first = stop_at_ == m && stop_ ? &*stop_ : nullptr;
+    return decide_cols_on(columns(m), n_, cap_.data(), costs_, heads_.at(size_t(m)), rounds_, first).keep;
+  }
+
   // Positions' path columns up to j: the estimates (logistic_column's), then path_column's.
   void add_up_to(int64_t j) {
     std::vector<double> conf(static_cast<size_t>(n_));
@@ -129,6 +144,7 @@ void bind_many_rows(py::module& m) {
            py::arg("top").noconvert(), py::arg("margin").noconvert())
       .def("next_at", &ManyRows::next_at, py::arg("j"))
       .def("keep_at", &ManyRows::keep_at, py::arg("m"))
+      .def("keep_explored", &ManyRows::keep_explored, py::arg("m"), py::arg("first"), py::arg("every"))
       .def_property_readonly("drafts", &ManyRows::drafts)
       .def_property_readonly("ctx", &ManyRows::ctx)
       .def_property_readonly("uniform", &ManyRows::uniform);
