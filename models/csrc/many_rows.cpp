@@ -24,7 +24,7 @@ using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 // A large batch's adaptive step on the logistic estimate, compiled as batch 1's OneRow: it
 // reads the draft loop's (budget, n) buffers of top probabilities and margins itself, makes
 // each drafted position's estimates and path column once, and answers the early stop after
-// draft j (next_at) and the keep set after m drafts (keep_at) in one call each. The same
+// draft j (next_at) and the keep set after m drafts (keep_explored) in one call each. The same
 // functions as logistic_column, path_column, worth_drafting and decide_cols, so the same
 // answers; what it saves is the Python between them (60 us a question at batch 32).
 class ManyRows {
@@ -71,11 +71,9 @@ class ManyRows {
                              heads_.at(size_t(j + 1)), &stop_);
   }
 
-  // The keep set after m drafts, per sequence.
-  py::array_t<int64_t> keep_at(int64_t m) { return py::array_t<int64_t>(n_, decide(m).data()); }
-
-  // keep_at(m), and what the step validates: the same but for the rows exploration verifies
-  // everything drafted (first, first + every, ..: min(cap, m) each), as a list (SpecStep.keep's).
+  // The keep set after m drafts (the rule's, per sequence), and what the step validates: the
+  // same but for the rows exploration verifies everything drafted (first, first + every, ..:
+  // min(cap, m) each), as a list (SpecStep.keep's).
   py::tuple keep_explored(int64_t m, int64_t first, int64_t every) {
     if (first < 0 || every < 1) throw py::value_error("ManyRows.keep_explored: first >= 0 and every >= 1");
     const std::vector<int64_t> rule = decide(m);
@@ -92,9 +90,9 @@ class ManyRows {
   bool uniform() const { return costs_.uniform; }
 
  private:
-  // The keep set after m drafts (keep_at's), as a vector.
+  // The rule's keep set after m drafts.
   std::vector<int64_t> decide(int64_t m) {
-    if (m < 1 || m > rows_) throw py::index_error("ManyRows.keep_at: no such row in the draft buffers");
+    if (m < 1 || m > rows_) throw py::index_error("ManyRows.keep_explored: no such row in the draft buffers");
     add_up_to(m);
     // where the early stop after m drafts said stop, its ranking without draft m + 1 is this one's first
     const Ranked* first = stop_at_ == m && stop_ ? &*stop_ : nullptr;
@@ -143,7 +141,6 @@ void bind_many_rows(py::module& m) {
            py::arg("rates"), py::arg("per_token"), py::arg("min_gain"), py::arg("rounds"), py::arg("weights"),
            py::arg("top").noconvert(), py::arg("margin").noconvert())
       .def("next_at", &ManyRows::next_at, py::arg("j"))
-      .def("keep_at", &ManyRows::keep_at, py::arg("m"))
       .def("keep_explored", &ManyRows::keep_explored, py::arg("m"), py::arg("first"), py::arg("every"))
       .def_property_readonly("drafts", &ManyRows::drafts)
       .def_property_readonly("ctx", &ManyRows::ctx)
