@@ -61,6 +61,7 @@ class SpecPolicy:
         self.cold = True  # fewer than COLD_TRIALS first drafts verified so far (set by every calibration batch)
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
+        self.calibrations = 0  # calibration batches run (the runner leaves steps with one out of the rest's fit)
         self._counts: list[tuple] = []  # ((max_keep, drafts made), verified, accepted) for the draft yields, as many
         self._batches = 0  # calibration batches so far (the large batches' sample offset rotates with them)
         self.yields = YieldsByBatch(max(cfg.num_speculative_tokens, 1))
@@ -360,6 +361,7 @@ class SpecPolicy:
             self._flush()
 
     def _flush(self) -> None:
+        self.calibrations += 1
         counts, self._counts = self._counts, []
         self.yields.count_steps(counts)
         self.yields.fold()

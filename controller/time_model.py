@@ -8,7 +8,8 @@
                                                  (ms per step, E tokens emitted: scheduling,
                                                   sampling, accepting, detokenizing, storing)
 
-T_other is measured online (the step's wall time less drafting and validation). Its
+T_other is measured online (the step's wall time less drafting and validation; a step with
+a one-off in it, such as a calibration batch, is left out: StepStats.steady). Its
 per-token part is what speculation pays for every token it emits (about 0.15 ms per
 token at batch 1 and 32 here), so it belongs in Theta's denominator: without it a
 speculative step looked cheaper than it is, and the budget drafted at batch 8, where

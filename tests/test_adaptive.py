@@ -130,3 +130,34 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
     assert drafted
     for x, s in drafted:
         assert x["draft_ms"] < s.draft_ms <= x["draft_ms"] + x["control_ms"] + 1e-3
+
+
+def test_registry_leaves_one_offs_out_of_a_steps_rest(sharegpt_prompts):
+    """A decode step whose end ran a calibration batch, and the step after one or after a new
+    time model (which rebuild what those made stale), say nothing about the steady rest of a
+    step: the registry gets their rest as 0 (not measured). A cold start's calibration batch
+    at every drafting step had priced a drafting step's rest 0.4-2.1 ms above a plain one's."""
+    engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
+    policy = engine.workers.worker.runner.policy
+    try:
+        engine.time_models.install(PRUNING_MODEL)
+        for prompt in sharegpt_prompts:
+            engine.add_request(prompt, greedy(48))
+        marks = []  # (calibration batches after the step, its time model) per decode step
+        while engine.has_work():
+            before = len(engine.time_models.registry.online)
+            engine.step()
+            if len(engine.time_models.registry.online) > before:
+                marks.append((policy.calibrations, engine.time_model_version))  # the version the step ran on
+                if len(marks) == 10:
+                    engine.time_models.install(PRUNING_MODEL)  # a new version from the next step on
+        online = engine.time_models.registry.online
+    finally:
+        engine.shutdown()
+    assert len(online) == len(marks)
+    expected = [i >= 2 and marks[i][0] == marks[i - 1][0] == marks[i - 2][0] and marks[i][1] == marks[i - 1][1]
+                for i in range(len(marks))]
+    measured = [s.other_ms > 0 for s in online]
+    assert measured == expected
+    steady_drafting = [s for s, ok in zip(online, measured) if ok and s.draft_steps]
+    assert steady_drafting and not all(measured) and policy.calibrations > 2 and marks[-1][1] > marks[0][1]

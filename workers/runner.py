@@ -73,6 +73,8 @@ class ModelRunner:
         # p even where an unverified draft exists, as xLLM does. Verifying then depends on
         # the decision, and a token-dependent decision skews the output distribution.
         self.fresh_bonus = False
+        self._marks = (0, 0, -1)  # calibration batches after the last two decode steps, the last one's time model
+
 
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
@@ -83,10 +85,24 @@ class ModelRunner:
         stats = StepStats(num_seqs=len(plan.seqs))
         outputs = self._decode(plan, stats) if plan.decode else self._prefill(plan, stats)
         stats.step_ms = (time.perf_counter() - t0) * 1e3
+        if plan.decode:
+            stats.steady = self._steady(plan.time_model_version)
         digest = _digest(plan.step, outputs) ^ int(self.corrupt_digest)
         if self.rank != 0:
             return StepResult(self.rank, plan.step, digest)
         return StepResult(self.rank, plan.step, digest, outputs, stats)
+
+    def _steady(self, version: int) -> bool:
+        """Was this decode step's rest free of one-offs? Not where a calibration batch ran at its
+        end, nor in the step after one or after a new time model (the batch 1 OneRow and the
+        budget's terms they made stale are rebuilt in that step's begin_step). A cold start's
+        probes ran one at every step: counted as the rest of drafting steps, they had made a
+        drafting step's rest 0.4-2.1 ms dearer than a plain one's in a server's first fits, and
+        batch 1 stood down for its first 300-600 steps after a warm-up at saturation."""
+        before, last, last_version = self._marks
+        now = self.policy.calibrations
+        self._marks = (last, now, version)
+        return now == last == before and version == last_version
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, plan: StepPlan, stats: StepStats) -> list[SeqOutput]:
