@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape
+from controller.yields import BUCKETS, batch_bucket
 
 WINDOW = 4096  # online samples kept for refits
 RECENT = 32  # samples in the "recent error" window
@@ -50,6 +51,7 @@ class StepSample(NamedTuple):
     emitted: int = 0  # tokens the step emitted (sequences plus accepted drafts)
     catchup_tokens: int = 0  # tokens the draft caught up on before its first step (0: unknown)
     draft_seqs: int = 0  # sequences that drafted (0: all num_seqs; a probe standing down drafts for a few)
+    one_off: int = 0  # 1: the draft ran right after a one-off (a calibration batch): not its steady cost
 
     @property
     def drafting(self) -> int:
@@ -62,7 +64,7 @@ class StepSample(NamedTuple):
 
 FIELDS = StepSample._fields
 (NUM_SEQS, Q_TOKENS, KV_TOKENS, VALIDATE_MS, DRAFT_STEPS, DRAFT_MS, OTHER_MS, EMITTED, CATCHUP_TOKENS,
- DRAFT_SEQS) = range(len(FIELDS))
+ DRAFT_SEQS, ONE_OFF) = range(len(FIELDS))
 
 
 class SampleColumns:
@@ -122,7 +124,8 @@ class ProfileRegistry:
         # first step (with none, the drift refit could not come before the first scheduled one)
         self.last_report: FitReport | None = self._report_on_sweep(self.model) if initial is not None else None
         self._sweep_model: TimeModel | None = None  # the sweep's own fit (table kind), made on first use
-        self._draft_overhead = 1.0  # the draft's in-engine time over the sweep's, last measured (draft_overhead)
+        # the draft's in-engine time over the sweep's, last measured, per batch-size bucket (draft_overhead)
+        self._draft_overheads: dict[int, float] = {}
         self._online = SampleColumns(size=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
@@ -208,16 +211,26 @@ class ProfileRegistry:
         speed = float(np.median(online[:, VALIDATE_MS] / np.maximum(predicted, 1e-6)))
         return min(max(speed, SPEED_LIMITS[0]), SPEED_LIMITS[1])
 
-    def draft_overhead(self) -> float:
-        """How much dearer (> 1) the draft runs between the target's forwards than the sweep,
-        which timed it on its own with its weights in cache, beyond the machine's speed: the
-        median, over the latest steady online draft steps, of each step's draft time over the
-        sweep's own fit's, divided by the same step's validate time over the fit's. Measured
-        whenever the window holds DRAFT_MIN_SAMPLES such steps, and remembered: the budget
+    def draft_overhead(self, n: int) -> float:
+        """How much dearer (> 1) the draft of n sequences runs between the target's forwards
+        than the sweep, which timed it on its own with its weights in cache, beyond the
+        machine's speed: its batch-size bucket's (yields.batch_bucket) median, over the latest
+        steady online draft steps of that bucket, of each step's draft time over the sweep's
+        own fit's, divided by the same step's validate time over the fit's. Measured whenever
+        the window holds DRAFT_MIN_SAMPLES such steps of the bucket, and remembered: the budget
         stops drafting where drafting does not pay, the window then fills with plain steps,
         and a sweep no longer corrected by online draft steps (about 1.35x too cheap here at
         batch 1 and 8) had made the budget draft again: batch 8 switched between standing
         down and drafting as refits came.
+
+        A bucket not measured yet takes the nearest measured bucket's below it (the cache's
+        reload is a larger share of a smaller draft forward), else 1.0. One overhead for every
+        batch size, measured on a served engine's warm-up at saturation (1.3-1.9 at 13-16
+        sequences), had priced batch 1's draft steps at 0.7-1.0 ms where they took 0.45: batch
+        1 stood down, drafted only a stand-down probe's one row after a long catch-up (never a
+        steady step), and so never measured its own overhead (1.0-1.04): it stood down for good.
+        Left at the sweep's price instead, a bucket that does not pay drafts for the few steps
+        that measure it.
 
         Each step's draft time is set against its own validate time, not against sweep_speed
         (the latest validate steps, plain ones included): this machine's speed swings by 1.5-2x
@@ -225,18 +238,33 @@ class ProfileRegistry:
         measured ranged 1.03-1.87 over one batch-1 benchmark where the paired one held 1.46-1.68.
         At batch 1 drafting pays about 6% over plain decoding, so a fast stretch read as a dear
         draft made adaptive stand down for up to 600 steps at a time."""
+        self._measure_draft_overheads()
+        return self._overhead_at(n)
+
+    def _overhead_at(self, n: int) -> float:
+        """draft_overhead(n) as last measured."""
+        held = self._draft_overheads
+        for bucket in range(batch_bucket(n), -1, -1):
+            if bucket in held:
+                return held[bucket]
+        return 1.0
+
+    def _measure_draft_overheads(self) -> None:
         drafted = self._steady_drafts(self._online.rows())[-SPEED_WINDOW:]
         drafted = drafted[drafted[:, VALIDATE_MS] > 0]
         swept = self._steady_drafts(self._sweep.rows())
-        if len(drafted) >= DRAFT_MIN_SAMPLES and len(swept) >= 2:
-            fitted = self._sweep_fit()
-            draft_fit = fitted.draft_ms_at(_drafting(drafted), drafted[:, DRAFT_STEPS])
-            draft = drafted[:, DRAFT_MS] / np.maximum(draft_fit, 1e-6)
-            validate = drafted[:, VALIDATE_MS] / np.maximum(
-                fitted.validate_ms_at(drafted[:, Q_TOKENS], drafted[:, KV_TOKENS]), 1e-6)
-            ratio = float(np.median(draft / validate))
-            self._draft_overhead = min(max(ratio, SPEED_LIMITS[0]), SPEED_LIMITS[1])
-        return self._draft_overhead
+        if len(drafted) < DRAFT_MIN_SAMPLES or len(swept) < 2:
+            return
+        fitted = self._sweep_fit()
+        n = _drafting(drafted)
+        draft = drafted[:, DRAFT_MS] / np.maximum(fitted.draft_ms_at(n, drafted[:, DRAFT_STEPS]), 1e-6)
+        validate = drafted[:, VALIDATE_MS] / np.maximum(
+            fitted.validate_ms_at(drafted[:, Q_TOKENS], drafted[:, KV_TOKENS]), 1e-6)
+        ratio, buckets = draft / validate, _buckets(n)
+        for bucket in np.unique(buckets).tolist():
+            mine = ratio[buckets == bucket]
+            if len(mine) >= DRAFT_MIN_SAMPLES:
+                self._draft_overheads[bucket] = min(max(float(np.median(mine)), SPEED_LIMITS[0]), SPEED_LIMITS[1])
 
     def _sweep_fit(self) -> TimeModel:
         """The sweep's own times fitted, validate and draft (what sweep_speed and draft_overhead
@@ -251,20 +279,23 @@ class ProfileRegistry:
 
     @staticmethod
     def _steady_drafts(rows: np.ndarray) -> np.ndarray:
-        """Rows that drafted without a one-off catch-up: a step that first caught up on a prompt
-        or on the tokens of steps that drafted nothing paid what the budget must not expect at
-        every step."""
-        return rows[(rows[:, DRAFT_STEPS] > 0) & (rows[:, CATCHUP_TOKENS] <= STEADY_CATCHUP * _drafting(rows))]
+        """Rows that drafted without a one-off: a step that first caught up on a prompt or on the
+        tokens of steps that drafted nothing, or that drafted right after a calibration batch
+        (StepSample.one_off), paid what the budget must not expect at every step."""
+        return rows[(rows[:, DRAFT_STEPS] > 0) & (rows[:, CATCHUP_TOKENS] <= STEADY_CATCHUP * _drafting(rows))
+                    & (rows[:, ONE_OFF] == 0)]
 
     def _data(self) -> np.ndarray:
-        """The sweep, its times scaled by sweep_speed (draft times also by draft_overhead), then
+        """The sweep, its times scaled by sweep_speed (draft times also by their batch size's
+        draft_overhead), then
         the online window."""
         sweep, online = self._sweep.rows(), self._online.rows()
         if not len(online):
             return sweep
         speed = self.sweep_speed()
-        overhead = self.draft_overhead()
-        if speed != 1.0 or overhead != 1.0:
+        self._measure_draft_overheads()
+        overhead = np.array([self._overhead_at(n) for n in _drafting(sweep).astype(int).tolist()])
+        if speed != 1.0 or (overhead != 1.0).any():
             sweep = sweep.copy()
             sweep[:, VALIDATE_MS] *= speed
             sweep[:, DRAFT_MS] *= speed * overhead
@@ -312,6 +343,11 @@ def _predicts_alike(old: TimeModel, new: TimeModel, rows: np.ndarray) -> bool:
 def _drafting(rows: np.ndarray) -> np.ndarray:
     """StepSample.drafting of each row: the sequences its draft time is for."""
     return np.where(rows[:, DRAFT_SEQS] > 0, rows[:, DRAFT_SEQS], rows[:, NUM_SEQS])
+
+
+def _buckets(n: np.ndarray) -> np.ndarray:
+    """yields.batch_bucket of each batch size (positive integers as floats)."""
+    return np.minimum(np.frexp(np.maximum(n, 1.0))[1] - 1, BUCKETS - 1)
 
 
 def _features(validated: np.ndarray) -> np.ndarray:

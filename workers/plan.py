@@ -84,7 +84,10 @@ class StepStats:
     step_ms: float = 0.0
     control_ms: float = 0.0  # speculation control on rank 0: budget, early stop, keep, calibration
     draft_control_ms: float = 0.0  # of control_ms, what only a step that drafts pays: the early stops and keep
-    steady: bool = True  # no one-off in the step's rest: a calibration batch, or what it or a new time model made stale
+    # no one-off in the step's rest (a calibration batch, or what it or a new time model made stale), and in its draft
+    # (run on the caches a calibration batch at the end of the step before had just gone through)
+    steady: bool = True
+    draft_steady: bool = True
     draft_steps: int = 0  # autoregressive draft forwards run
     catchup_tokens: int = 0  # tokens the first draft forward caught up on (steady state: those emitted last step)
     draft_seqs: int = 0  # sequences that drafted (a probe standing down drafts for the explored ones alone)

@@ -86,23 +86,26 @@ class ModelRunner:
         outputs = self._decode(plan, stats) if plan.decode else self._prefill(plan, stats)
         stats.step_ms = (time.perf_counter() - t0) * 1e3
         if plan.decode:
-            stats.steady = self._steady(plan.time_model_version)
+            stats.steady, stats.draft_steady = self._steady(plan.time_model_version)
         digest = _digest(plan.step, outputs) ^ int(self.corrupt_digest)
         if self.rank != 0:
             return StepResult(self.rank, plan.step, digest)
         return StepResult(self.rank, plan.step, digest, outputs, stats)
 
-    def _steady(self, version: int) -> bool:
-        """Was this decode step's rest free of one-offs? Not where a calibration batch ran at its
-        end, nor in the step after one or after a new time model (the batch 1 OneRow and the
-        budget's terms they made stale are rebuilt in that step's begin_step). A cold start's
-        probes ran one at every step: counted as the rest of drafting steps, they had made a
-        drafting step's rest 0.4-2.1 ms dearer than a plain one's in a server's first fits, and
-        batch 1 stood down for its first 300-600 steps after a warm-up at saturation."""
+    def _steady(self, version: int) -> tuple[bool, bool]:
+        """Were this decode step's rest and its draft free of one-offs? The rest is not where a
+        calibration batch ran at its end, nor in the step after one or after a new time model
+        (the batch 1 OneRow and the budget's terms they made stale are rebuilt in that step's
+        begin_step); the draft is not in the step after either, which runs on the caches they
+        went through. A cold start runs a calibration batch at every drafting step: counted,
+        those steps made a drafting step's rest 0.4-2.1 ms dearer than a plain one's and its
+        draft 1.3-1.9x the startup sweep's (batch 1's steady steps: 1.0-1.07x) in a served
+        engine's first fits after a warm-up at saturation, and batch 1 stood down."""
         before, last, last_version = self._marks
         now = self.policy.calibrations
         self._marks = (last, now, version)
-        return now == last == before and version == last_version
+        draft = last == before and version == last_version
+        return draft and now == last, draft
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, plan: StepPlan, stats: StepStats) -> list[SeqOutput]:

@@ -174,13 +174,13 @@ class Engine:
             step_ms = (time.perf_counter() - start) * 1e3
             emitted = sum(len(u.new_token_ids) for u in updates)
             if self.time_models is not None:
-                # what drafting cost includes deciding on it: the early stops and the keep decision; the rest
-                # is left out (0) of a step with a one-off in it (StepStats.steady)
+                # what drafting cost includes deciding on it: the early stops and the keep decision. A rest with a
+                # one-off in it is left out (0), a draft with one marked (StepStats.steady, draft_steady)
                 draft_ms = st.draft_ms + st.draft_control_ms
                 other_ms = max(step_ms - draft_ms - st.validate_ms, 1e-3) if st.steady else 0.0
                 self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
                                                     st.draft_steps, draft_ms, other_ms, emitted,
-                                                    st.catchup_tokens, st.draft_seqs)])
+                                                    st.catchup_tokens, st.draft_seqs, int(not st.draft_steady))])
             self.stats.decode_seq_ms += len(updates) * step_ms
             self.stats.decode_tokens += emitted
             if plan.trace:
