@@ -250,7 +250,10 @@ class ProfileRegistry:
         return 1.0
 
     def _measure_draft_overheads(self) -> None:
-        drafted = self._steady_drafts(self._online.rows())[-SPEED_WINDOW:]
+        """Each bucket's overhead over its own latest SPEED_WINDOW steady draft steps in the window
+        (the latest of all buckets together were nearly all batch 1's in a served run, and the
+        few dozen drafting steps at 4-7 sequences, 1.45x the sweep there, never counted)."""
+        drafted = self._steady_drafts(self._online.rows())
         drafted = drafted[drafted[:, VALIDATE_MS] > 0]
         swept = self._steady_drafts(self._sweep.rows())
         if len(drafted) < DRAFT_MIN_SAMPLES or len(swept) < 2:
@@ -262,7 +265,7 @@ class ProfileRegistry:
             fitted.validate_ms_at(drafted[:, Q_TOKENS], drafted[:, KV_TOKENS]), 1e-6)
         ratio, buckets = draft / validate, _buckets(n)
         for bucket in np.unique(buckets).tolist():
-            mine = ratio[buckets == bucket]
+            mine = ratio[buckets == bucket][-SPEED_WINDOW:]
             if len(mine) >= DRAFT_MIN_SAMPLES:
                 self._draft_overheads[bucket] = min(max(float(np.median(mine)), SPEED_LIMITS[0]), SPEED_LIMITS[1])
 

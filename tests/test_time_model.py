@@ -448,6 +448,15 @@ def test_a_batch_size_s_draft_overhead_does_not_price_another_s():
     assert abs(reg.draft_overhead(16) - 1.9) < 0.05 and abs(reg.draft_overhead(32) - 1.9) < 0.05
     assert reg.draft_overhead(1) == reg.draft_overhead(4) == 1.0
     assert abs(model.draft_ms(1, 3) - _draft_law(1, 3)) < 0.05 * _draft_law(1, 3)
+    # more steady draft steps at batch 1 than the overhead's window holds, after the warm-up's: each bucket
+    # reads its own latest steps
+    ones = []
+    for s in _samples(rng, 600, ns=(1,)):
+        m = int(rng.integers(1, 6))
+        ones.append(StepSample(1, s.q_tokens, s.kv_tokens, s.validate_ms, m, _draft_law(1, m), 0.3, 1))
+    fresh = _seeded_registry(np.random.default_rng(6))
+    fresh.add(warm + ones)
+    assert abs(fresh.draft_overhead(16) - 1.9) < 0.05 and abs(fresh.draft_overhead(1) - 1.0) < 0.05
     # batch 1 drafts steadily (at the sweep's price here): its own overhead, remembered once plain steps follow
     own = []
     for s in _samples(rng, 40, ns=(1,)):
