@@ -21,9 +21,9 @@ from controller.config import SpeculativeConfig
 from controller.decision import draft_units, f_table, rest_units, step_costs
 from controller.estimators import Calibrator, LogisticCalibrator
 from controller.one_row import new_one_row
+from controller.one_row_step import OneRowStep
 from controller.pending import every, joined, stacked
 from controller.probes import ProbeSchedule
-from controller.one_row_step import OneRowStep
 from controller.step import PlainStep, SpecStep
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import YieldsByBatch, batch_bucket, prior_rates

@@ -228,7 +228,7 @@ class ProfileRegistry:
         batch size, measured on a served engine's warm-up at saturation (1.3-1.9 at 13-16
         sequences), had priced batch 1's draft steps at 0.7-1.0 ms where they took 0.45: batch
         1 stood down, drafted only a stand-down probe's one row after a long catch-up (never a
-        steady step), and so never measured its own overhead (1.0-1.04): it stood down for good.
+        steady step), and so never measured its own overhead (1.0-1.07): it stood down for good.
         Left at the sweep's price instead, a bucket that does not pay drafts for the few steps
         that measure it.
 
@@ -290,8 +290,7 @@ class ProfileRegistry:
 
     def _data(self) -> np.ndarray:
         """The sweep, its times scaled by sweep_speed (draft times also by their batch size's
-        draft_overhead), then
-        the online window."""
+        draft_overhead), then the online window."""
         sweep, online = self._sweep.rows(), self._online.rows()
         if not len(online):
             return sweep

@@ -75,7 +75,6 @@ class ModelRunner:
         self.fresh_bonus = False
         self._marks = (0, 0, -1)  # calibration batches after the last two decode steps, the last one's time model
 
-
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
