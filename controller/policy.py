@@ -112,8 +112,7 @@ class SpecPolicy:
         are cold); k: drafts the step may make (0: none); oracle: (n, k)
         reference tokens after the last emitted one (-1 past the end), oracle mode only;
         catchup: None, or a callable k -> the rows' catch-up past a steady step's per token
-        they may still emit (catchup.switch_cost), asked only where it may change the budget
-        of two or more sequences.
+        they may still emit (catchup.switch_cost), asked only where it may change the budget.
 
         Probe steps: without them, positions the budget calls hopeless would never be
         drafted, and the estimates could never learn that they are not. A probe drafts one
@@ -137,10 +136,11 @@ class SpecPolicy:
             n = len(kv)
             learning = self.cold and k > 0 and self.could_pay(model, n, k)
             probe = self.probes.due(n, cold=learning)
-            if n == 1 or not (model.catchup_ms and k):
-                catchup = None  # nothing to price (batch 1 prices no catch-up: controller/catchup.py)
+            if catchup is not None and not (model.catchup_ms and k):
+                catchup = None  # nothing to price
             if n == 1 and k and self.one_row_steps:
-                return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning)
+                if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
+                    return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning)
             if n > 1 and k:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop

@@ -177,9 +177,8 @@ class ModelRunner:
         max_keep = [p.num_spec for p in plan.seqs]
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
-        priced = k and len(seqs) > 1 and plan.mode == "adaptive"  # (batch 1 prices no catch-up: controller/catchup.py)
         step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
-                                      _catchup(seqs, plan) if priced else None)
+                                      _catchup(seqs, plan, k) if k and plan.mode == "adaptive" else None)
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
@@ -362,9 +361,12 @@ def _rounded(a: np.ndarray) -> list[list[float]]:
     return np.round(a, 4).tolist()
 
 
-def _catchup(seqs: list[SeqState], plan: StepPlan):
+def _catchup(seqs: list[SeqState], plan: StepPlan, k: int):
     """For begin_step: k -> the rows' catch-up past a steady step's per token left (catchup.switch_cost),
-    computed only if asked."""
+    computed only if asked; None for one sequence no further behind than a steady step (batch 1's usual
+    step, where its OneRow decides)."""
+    if len(seqs) == 1 and len(seqs[0].tokens) - seqs[0].draft_len <= k + 1:
+        return None
     return lambda k: switch_cost([len(s.tokens) - s.draft_len for s in seqs], [p.left for p in plan.seqs], k)
 
 
