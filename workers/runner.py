@@ -16,7 +16,6 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from controller.catchup import switch_cost
 from controller.policy import SpecPolicy
 from controller.yields import above
 
@@ -177,8 +176,7 @@ class ModelRunner:
         max_keep = [p.num_spec for p in plan.seqs]
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
-        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
-                                      _catchup(seqs, plan, k) if k and plan.mode == "adaptive" else None)
+        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k))
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
@@ -359,15 +357,6 @@ NO_DRAFTS = DraftBlock(torch.zeros(0, 0, dtype=torch.long), np.zeros((0, 0)), np
 
 def _rounded(a: np.ndarray) -> list[list[float]]:
     return np.round(a, 4).tolist()
-
-
-def _catchup(seqs: list[SeqState], plan: StepPlan, k: int):
-    """For begin_step: k -> the rows' catch-up past a steady step's per token left (catchup.switch_cost),
-    computed only if asked; None for one sequence no further behind than a steady step (batch 1's usual
-    step, where its OneRow decides)."""
-    if len(seqs) == 1 and len(seqs[0].tokens) - seqs[0].draft_len <= k + 1:
-        return None
-    return lambda k: switch_cost([len(s.tokens) - s.draft_len for s in seqs], [p.left for p in plan.seqs], k)
 
 
 def _oracle(plan: StepPlan, k: int) -> np.ndarray | None:
