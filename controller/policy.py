@@ -105,12 +105,14 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, mode: str, kv, max_keep, version: int, k: int,
-                   oracle: np.ndarray | None = None) -> SpecStep:
+                   oracle: np.ndarray | None = None, catchup=None) -> SpecStep:
         """The step's decisions (controller/step.py): kv, max_keep: (n,) context length and
         drafts each sequence may verify, lists of ints (or arrays; a list spares a small batch
         numpy's calls, each several microseconds between two forward passes, when the caches
         are cold); k: drafts the step may make (0: none); oracle: (n, k)
-        reference tokens after the last emitted one (-1 past the end), oracle mode only.
+        reference tokens after the last emitted one (-1 past the end), oracle mode only;
+        catchup: None, or a callable k -> the rows' catch-up past a steady step's per token
+        they may still emit (catchup.switch_cost), asked only where it may change the budget.
 
         Probe steps: without them, positions the budget calls hopeless would never be
         drafted, and the estimates could never learn that they are not. A probe drafts one
@@ -134,14 +136,20 @@ class SpecPolicy:
             n = len(kv)
             learning = self.cold and k > 0 and self.could_pay(model, n, k)
             probe = self.probes.due(n, cold=learning)
+            if catchup is not None and not (model.catchup_ms and k):
+                catchup = None  # nothing to price
             if n == 1 and k and self.one_row_steps:
-                return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning)
+                if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
+                    return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning)
             if n > 1 and k:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop
                 if not probe and model.b2 * float(total) >= self.stand_down_at(model, n, k):
                     return PlainStep(self, model, kv, max_keep, k)
-        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total)
+        else:
+            catchup = None
+        return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,
+                        catchup=catchup)
 
     def full_caps(self, n: int, cap: int) -> np.ndarray:
         """[cap] * n as a read-only array, made once per (n, cap): a large batch's caps, which are

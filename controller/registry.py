@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from controller.catchup import catchup_ms
 from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape
 from controller.yields import BUCKETS, batch_bucket
 
@@ -126,6 +127,7 @@ class ProfileRegistry:
         self._sweep_model: TimeModel | None = None  # the sweep's own fit (table kind), made on first use
         # the draft's in-engine time over the sweep's, last measured, per batch-size bucket (draft_overhead)
         self._draft_overheads: dict[int, float] = {}
+        self._catchup_ms = 0.0  # ms per catch-up token past a steady step's, last measured (controller/catchup.py)
         self._online = SampleColumns(size=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
@@ -317,9 +319,23 @@ class ProfileRegistry:
                  np.where(data[timed, DRAFT_STEPS] > 0, data[timed, NUM_SEQS], 0.0))
         report = fit(rows, validated[:, VALIDATE_MS], _drafting(drafted), drafted[:, DRAFT_MS],
                      self.model.version + 1, self.kind, other, drafted[:, DRAFT_STEPS])
+        report = dataclasses.replace(report, model=self._with_catchup(report.model))
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()
         return report
+
+    def _with_catchup(self, model: TimeModel) -> TimeModel:
+        """model with the cost per catch-up token (catchup.catchup_ms) of the window's steps that
+        drafted after a long catch-up, or as last measured where it holds too few of them (a
+        server that stands down for good drafts only its probes' rows)."""
+        rows = self._online.rows()
+        picked = rows[(rows[:, DRAFT_STEPS] > 0) & (rows[:, CATCHUP_TOKENS] > STEADY_CATCHUP * _drafting(rows))
+                      & (rows[:, ONE_OFF] == 0)]
+        measured = catchup_ms(model, _drafting(picked), picked[:, DRAFT_STEPS], picked[:, CATCHUP_TOKENS],
+                              picked[:, DRAFT_MS])
+        if measured is not None:
+            self._catchup_ms = measured
+        return dataclasses.replace(model, catchup_ms=self._catchup_ms)
 
     def held_out_mape(self) -> dict[str, float]:
         """Each kind of time model fitted on every other measured step (sweep and online),

@@ -58,11 +58,13 @@ class SpecStep:
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
                  "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_many",
-                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total")
+                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
-                 oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None):
+                 oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None,
+                 catchup=None):
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, mode, probe, model, oracle
+        self.catchup = catchup  # SpecPolicy.begin_step's: the rows' catch-up the budget prices (None: none)
         self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         n = len(kv)
         self.kv_total = kv_total  # sum(kv), where begin_step had it
@@ -143,6 +145,16 @@ class SpecStep:
             theta = expected / (fixed + verified * kv_ms)
             if theta > best * scale:
                 best_m, best = m, theta
+        if best_m and self.catchup is not None:
+            # rows behind by more than a steady step: each token the step emits them pays its share of
+            # their catch-up (controller/catchup.py; expected: tokens per row); asked only where it would draft
+            per_token = tm.catchup_ms * self.catchup(k)
+            if per_token > 0.0:
+                best_m, best = 0, 1.0 / (base + kv_ms)
+                for m, expected, fixed, verified in terms:
+                    theta = expected / (fixed + verified * kv_ms + expected * per_token)
+                    if theta > best * scale:
+                        best_m, best = m, theta
         self.best_m = best_m
         if self.probe:
             return min(k, best_m + 1)

@@ -380,8 +380,9 @@ def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k:
     return _budget_at(policy, tm, len(kv), k, tm.b2 * float(kv.sum()))
 
 
-def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float) -> int:
-    """The same for n sequences whose context costs kv_ms."""
+def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float, per_token: float = 0.0) -> int:
+    """The same for n sequences whose context costs kv_ms; per_token: ms more each token the step
+    emits a row costs where it drafts (its rows' catch-up, controller/catchup.py)."""
     gain, share = policy.shares(n)
     g = tm.draft_step_ms(n)
     f = tm.q_ms_at(n * np.arange(1, k + 2)).tolist()
@@ -392,7 +393,7 @@ def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float) 
         lo = min(int(verified - 1.0), k - 1)
         f_val = f[lo] + (verified - 1.0 - lo) * (f[lo + 1] - f[lo])
         theta = expected / (((tm.o0 + tm.drafting_extra_ms(n)) + tm.o1 * (n * expected)) + (tm.first_ms(n) + m * g)
-                             + f_val + verified * kv_ms)
+                             + f_val + verified * kv_ms + expected * per_token)
         if theta > best * (1.0 + policy.cfg.adaptive.min_gain):
             best_m, best = m, theta
     return best_m

@@ -1,10 +1,12 @@
 """The validate-time model fit and the profile registry's refits."""
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
 
+from controller.catchup import CATCHUP_MIN_SAMPLES, catchup_ms
 from controller.registry import (DRAFT_MIN_SAMPLES, RECENT, SCHEDULE_MAX, SPEED_WINDOW, STEADY_CATCHUP, WINDOW,
                                  ProfileRegistry, SampleColumns, StepSample)
 from controller.time_model import TimeModel, fit, other_fit, piecewise, piecewise_at
@@ -134,6 +136,12 @@ def test_refit_reads_the_columns_as_the_samples_say():
                                  np.array([s.other_ms for s in timed]),
                                  np.array([s.num_seqs if s.draft_steps > 0 else 0 for s in timed], dtype=np.float64)),
                    np.array([s.draft_steps for s in steady], dtype=np.float64))
+    # the cost per catch-up token: from the online steps that drafted after a long catch-up
+    behind = [s for s in online if s.draft_steps > 0 and s.catchup_tokens > STEADY_CATCHUP * s.drafting]
+    assert len(behind) >= CATCHUP_MIN_SAMPLES
+    per_token = catchup_ms(expected.model, *(np.array([getattr(s, f) for s in behind], dtype=np.float64)
+                                             for f in ("drafting", "draft_steps", "catchup_tokens", "draft_ms")))
+    expected = dataclasses.replace(expected, model=dataclasses.replace(expected.model, catchup_ms=per_token))
     assert reg.refit() == expected
     assert reg.online == online
 

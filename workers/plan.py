@@ -39,6 +39,7 @@ class SeqPlan:
     next_token: int | None = None  # with prefill_last, a recompute: this token follows (no sampling)
     forks: list[ForkPlan] = field(default_factory=list)  # with prefill_last: samples 1..n-1 of the prompt
     num_spec: int = 0  # decode step: draft tokens this sequence may propose
+    left: int | None = None  # decode step: tokens it may still emit (None: not known)
     oracle: list[int] | None = None  # oracle mode: the reference tokens that follow (benchmark only)
 
 

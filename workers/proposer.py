@@ -32,6 +32,7 @@ class SeqState:
     block_table: list[int]
     num_computed: int = 0
     draft_len: int = 0  # proposer cache positions below this are final
+    prompt_len: int = 0  # tokens its prefill computed (a recompute's include what it had emitted)
     # MTP: the target hiddens of positions hidden_start..num_computed-1 are hidden_head's rows (a fork's
     # from its parent, the timing sweep's), then this sequence's rows in the proposer's log entries from
     # number hidden_step on (workers/hidden_log.py)

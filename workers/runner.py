@@ -16,6 +16,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from controller.catchup import switch_cost
 from controller.policy import SpecPolicy
 from controller.yields import above
 
@@ -117,6 +118,7 @@ class ModelRunner:
             s = self.seqs[p.seq_id]
             assert s.num_computed == p.prefill_start, f"seq {p.seq_id}: prefill at {p.prefill_start}, has {s.num_computed}"
             s.tokens.extend(p.prefill)
+            s.prompt_len = len(s.tokens)
             s.block_table = p.block_table
             seqs.append(s)
         lens = [len(p.prefill) for p in plan.seqs]
@@ -176,7 +178,8 @@ class ModelRunner:
         max_keep = [p.num_spec for p in plan.seqs]
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
-        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k))
+        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
+                                      _catchup(seqs, plan, k) if k and plan.mode == "adaptive" else None)
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
@@ -357,6 +360,21 @@ NO_DRAFTS = DraftBlock(torch.zeros(0, 0, dtype=torch.long), np.zeros((0, 0)), np
 
 def _rounded(a: np.ndarray) -> list[list[float]]:
     return np.round(a, 4).tolist()
+
+
+def _catchup(seqs: list[SeqState], plan: StepPlan, k: int):
+    """For begin_step: k -> the rows' catch-up past a steady step's per token left (catchup.switch_cost),
+    counted from where the draft last ran or the prompt ends, whichever is later (controller/catchup.py),
+    computed only if asked; None for one sequence no further behind than a steady step (batch 1's usual
+    step, where its OneRow decides)."""
+    if len(seqs) == 1 and _behind(seqs[0]) <= k + 1:
+        return None
+    return lambda k: switch_cost([_behind(s) for s in seqs], [p.left for p in plan.seqs], k)
+
+
+def _behind(s: SeqState) -> int:
+    """Tokens s's draft is behind on, its prompt's left out."""
+    return len(s.tokens) - max(s.draft_len, s.prompt_len)
 
 
 def _oracle(plan: StepPlan, k: int) -> np.ndarray | None:

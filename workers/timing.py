@@ -9,12 +9,12 @@ import time
 import numpy as np
 import torch
 
+from controller.catchup import SWEEP_CATCHUP  # tokens a timed draft step catches up on per sequence
 from models.attention import AttnBatch
 from workers.plan import SamplingParams
 from workers.proposer import SeqState
 from workers.runner import ModelRunner
 
-SWEEP_CATCHUP = 2  # tokens a draft catches up on per sequence in a timed draft step (the last one and one accepted)
 
 
 def _fake_seqs(runner: ModelRunner, n: int, positions: int) -> list[SeqState]:

@@ -157,7 +157,8 @@ class Scheduler:
             num_spec = self._num_spec(seq)
             done = len(seq.output_ids)
             oracle = seq.oracle_ids[done:done + num_spec] if seq.oracle_ids is not None else None
-            plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, num_spec=num_spec, oracle=oracle))
+            plans.append(SeqPlan(seq.seq_id, list(seq.block_table), seq.sampling, num_spec=num_spec, oracle=oracle,
+                                 left=self._left(seq)))
             i += 1
         if not plans:
             return None
@@ -175,9 +176,11 @@ class Scheduler:
         return True
 
     def _num_spec(self, seq: Sequence) -> int:
-        left = seq.params.max_tokens - len(seq.output_ids)
-        room = self.max_model_len - seq.total_len
-        return max(0, min(self.num_spec, left - 1, room - 1))
+        return max(0, min(self.num_spec, self._left(seq) - 1))
+
+    def _left(self, seq: Sequence) -> int:
+        """Tokens seq may still emit: what max_tokens and max_model_len leave."""
+        return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.total_len)
 
     def requeue_all(self) -> None:
         """The workers were replaced: every running sequence is recomputed from its prompt

@@ -1,0 +1,135 @@
+"""A draft's catch-up past a steady step's (controller/catchup.py): its cost per token, fitted
+from the steps that paid it, and its share in the draft budget of a step that switches into
+drafting."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cluster.engine.request import RequestParams, Sequence
+from cluster.engine.scheduler import Scheduler
+from controller.catchup import CATCHUP_MIN_SAMPLES, SWEEP_CATCHUP, catchup_ms, switch_cost
+from controller.config import AdaptiveConfig, SpeculativeConfig
+from controller.one_row_step import OneRowStep
+from controller.policy import SpecPolicy
+from controller.registry import STEADY_CATCHUP, WINDOW, ProfileRegistry, StepSample
+from controller.time_model import TimeModel
+from workers.plan import SamplingParams, SeqPlan, StepPlan
+from workers.proposer import SeqState
+from tests.test_policy import _budget_at
+from tests.test_scheduler import _prefill_all
+from workers.runner import _catchup
+
+DRAFTS = TimeModel(version=1, b0=1.0, b1=0.1, n_knots=(1.0, 8.0), n_ms=(0.3, 0.6), h_ms=(0.2, 0.5))
+
+
+def test_the_cost_per_catch_up_token_is_the_slope_past_the_steady_draft_time():
+    rng = np.random.default_rng(1)
+    n = rng.integers(1, 9, 40).astype(np.float64)
+    steps = rng.integers(1, 5, 40).astype(np.float64)
+    tokens = n * SWEEP_CATCHUP + rng.integers(20, 400, 40)
+    ms = DRAFTS.draft_ms_at(n, steps) + 0.03 * (tokens - SWEEP_CATCHUP * n)
+    assert catchup_ms(DRAFTS, n, steps, tokens, ms) == pytest.approx(0.03, rel=1e-9)
+    few = slice(0, CATCHUP_MIN_SAMPLES - 1)
+    assert catchup_ms(DRAFTS, n[few], steps[few], tokens[few], ms[few]) is None
+    # faster than a steady step (a quiet stretch of the machine): no negative price
+    assert catchup_ms(DRAFTS, n, steps, tokens, DRAFTS.draft_ms_at(n, steps) * 0.5) == 0.0
+
+
+def test_the_registry_prices_catch_up_from_the_steps_that_paid_it_and_remembers_it():
+    sweep = [StepSample(n, q * n, q * n * 100, 1.0 + 0.1 * q * n + 1e-5 * q * n * 100, 0, 0.0)
+             for n in (1, 2, 4, 8) for q in (1, 2, 4)]
+    sweep += [StepSample(n, 0, 0, 0.0, m, DRAFTS.draft_ms(n, m), catchup_tokens=n * SWEEP_CATCHUP)
+              for n in (1, 2, 4, 8) for m in (1, 3)]
+    reg = ProfileRegistry(refit_every=10**6, sweep=sweep)
+    reg.seed(sweep)
+    assert reg.model.catchup_ms == 0.0  # nothing has caught up on more than a steady step yet
+
+    def step(n: int, catchup: int) -> StepSample:
+        fitted = reg.model.draft_ms(n, 2) + 0.025 * max(catchup - SWEEP_CATCHUP * n, 0)
+        return StepSample(n, 3 * n, 300 * n, reg.model.validate_ms_from(3 * n, 300 * n), 2, fitted,
+                          catchup_tokens=catchup)
+
+    steady = [step(n, 3 * n) for n in (1, 2, 4) for _ in range(30)]
+    behind = [step(n, STEADY_CATCHUP * n + 40 * i) for n in (1, 2) for i in range(1, 6)]
+    reg.add(steady + behind)
+    assert reg.refit().model.catchup_ms == pytest.approx(0.025, rel=0.05)
+    # one-offs of another kind (a draft right after a calibration batch) are not catch-ups
+    reg.add([s._replace(draft_ms=s.draft_ms * 3, one_off=1) for s in behind] * 4)
+    assert reg.refit().model.catchup_ms == pytest.approx(0.025, rel=0.05)
+    reg.add([steady[0]] * WINDOW)  # the window holds no catch-up any more: the last measure stays
+    assert reg.refit().model.catchup_ms == pytest.approx(0.025, rel=0.05)
+
+
+def test_switch_cost_spreads_each_rows_catch_up_over_what_it_may_still_emit():
+    k = 3
+    assert switch_cost([1, k + 1], [10, 10], k) == 0.0  # no further behind than a steady step
+    assert switch_cost([k + 1 + 50, 2], [100, 1], k) == pytest.approx(0.5)
+    assert switch_cost([k + 1 + 50, k + 1 + 30], [None, 0], k) == pytest.approx(30.0)  # None: not known
+
+
+def _policy(rate: float = 0.6, k: int = 4) -> SpecPolicy:
+    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=k, adaptive=AdaptiveConfig(enabled=True)))
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # every position accepted at `rate`
+        accepted = 0
+        while accepted < k and rng.random() < rate:
+            accepted += 1
+        policy.observe(np.full((1, k), 0.5), np.full((1, k), 0.2), np.array([k]), np.array([accepted]))
+    policy.probes.hold()
+    return policy
+
+
+def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: list[int], k: int, per_token: float) -> int:
+    """The draft budget's argmax, every term computed afresh (tests/test_policy.py), each token
+    the step emits a row charged per_token ms more where it drafts."""
+    return _budget_at(policy, tm, len(kv), k, tm.b2 * float(sum(kv)), per_token)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_step_that_switches_into_drafting_pays_its_share_of_the_catch_up(n):
+    """A row far behind with few tokens left stands the step down where a steady step drafts;
+    with a long way left it drafts as before; a steady batch is asked nothing it would not need."""
+    k, kv = 4, [100] * n
+    policy = _policy(k=k)
+    tm = policy.models[policy.install(dataclasses.replace(DRAFTS, b0=3.0, o0=0.15, o1=0.01, catchup_ms=0.03))]
+    steady = _budget_by_the_formula(policy, tm, kv, k, 0.0)
+    assert steady >= 1
+
+    def begin(behind: list[int], left: list[int]):
+        asked = []
+        step = policy.begin_step("adaptive", list(kv), [k] * n, tm.version, k, None,
+                                 lambda kk: asked.append(kk) or switch_cost(behind, left, kk))
+        return step, asked
+
+    step, asked = begin([2] * n, [50] * n)  # every row steady
+    assert step.best_m == steady and (not isinstance(step, OneRowStep)) == (n > 1)
+    for behind, left in (([300] + [2] * (n - 1), [5] * n), ([300] + [2] * (n - 1), [10**6] * n)):
+        step, asked = begin(behind, left)
+        per_token = tm.catchup_ms * switch_cost(behind, left, k)
+        assert not isinstance(step, OneRowStep) and asked and set(asked) == {k}
+        assert step.best_m == _budget_by_the_formula(policy, tm, kv, k, per_token)
+    assert begin([300] * n, [5] * n)[0].best_m == 0  # a long catch-up for five tokens: plain
+    assert begin([300] * n, [10**6] * n)[0].best_m == steady  # ... for a long request: paid once, drafts
+    unpriced = policy.models[policy.install(dataclasses.replace(tm, version=tm.version + 1, catchup_ms=0.0))]
+    asked = []
+    step = policy.begin_step("adaptive", list(kv), [k] * n, unpriced.version, k, None,
+                             lambda kk: asked.append(kk) or 1e9)
+    assert step.best_m == steady and not asked  # nothing priced: never asked
+
+
+def test_the_runner_and_the_scheduler_say_how_far_behind_each_row_is_and_what_it_may_still_emit():
+    s = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_prefill_tokens=64, num_spec=3, max_model_len=40)
+    for i, most in ((0, 64), (1, 8)):
+        s.add(Sequence(i, f"r{i}", 0, list(range(1, 11)), RequestParams(max_tokens=most), SamplingParams()))
+    _prefill_all(s)  # each prompt of 10 and its first token
+    plan, _ = s.schedule()
+    assert [p.left for p in plan.seqs] == [40 - 11, 8 - 1]  # max_model_len, then max_tokens
+    rows = [SeqState(0, list(range(30)), [], draft_len=4), SeqState(1, list(range(12)), [], draft_len=11)]
+    step = StepPlan(1, [SeqPlan(0, [], left=29), SeqPlan(1, [], left=None)], decode=True)
+    assert _catchup(rows, step, 3)(3) == pytest.approx((26 - 4) / 29)
+    rows[0].prompt_len = 20  # a prompt the draft never saw is not counted: only what the row emitted since
+    assert _catchup(rows, step, 3)(3) == pytest.approx((10 - 4) / 29)
+    assert _catchup(rows[1:], StepPlan(1, step.seqs[1:], decode=True), 3) is None  # one row, steady: not asked
