@@ -18,9 +18,10 @@ from controller.registry import STEADY_CATCHUP, WINDOW, ProfileRegistry, StepSam
 from controller.time_model import TimeModel
 from workers.plan import SamplingParams, SeqPlan, StepPlan
 from workers.proposer import SeqState
+from tests.conftest import greedy, local_engine, tiny_config
 from tests.test_policy import _budget_at
 from tests.test_scheduler import _prefill_all
-from workers.runner import _catchup
+from workers.runner import _behind, _catchup
 
 DRAFTS = TimeModel(version=1, b0=1.0, b1=0.1, n_knots=(1.0, 8.0), n_ms=(0.3, 0.6), h_ms=(0.2, 0.5))
 
@@ -133,3 +134,16 @@ def test_the_runner_and_the_scheduler_say_how_far_behind_each_row_is_and_what_it
     rows[0].prompt_len = 20  # a prompt the draft never saw is not counted: only what the row emitted since
     assert _catchup(rows, step, 3)(3) == pytest.approx((10 - 4) / 29)
     assert _catchup(rows[1:], StepPlan(1, step.seqs[1:], decode=True), 3) is None  # one row, steady: not asked
+
+
+def test_a_new_sequence_is_behind_by_what_it_emitted_not_by_its_prompt():
+    """After its prefill a sequence's draft never saw its prompt; the price counts only what it
+    emitted since (here the first token), so a new request is not charged its prompt's catch-up."""
+    engine = local_engine(tiny_config("parallel.tp_size=1"))
+    try:
+        engine.add_request(list(range(5, 45)), greedy(8))
+        engine.step()  # the prefill, and the first token
+        (seq,) = engine.workers.worker.runner.seqs.values()
+    finally:
+        engine.shutdown()
+    assert seq.prompt_len == 40 and len(seq.tokens) == 41 and _behind(seq) == 1
