@@ -3,18 +3,19 @@
 Before its first draft position a step's draft forward catches up on every token its
 sequences emitted since they last drafted (workers/proposer.py). In steady drafting that is
 the last step's accepted tokens and the bonus one, which h(n) prices (time_model.py). A
-sequence that stood down, or a new one (the draft never saw its prompt), is behind by far
-more: in a served run at 50-100% of saturation batch 2 switched into drafting 21 times with
-99-300 tokens to catch up, 7.0 ms of draft time a step against 1.2 in steady drafting, and
-drafted at 1.57 ms a token per sequence where its plain steps took 1.26. Here a catch-up
-token costs about 0.025 ms (one layer's forward over it), so a switch costs as much as
-several plain steps.
+sequence that stood down is behind by far more: in a served run at 100-120% of saturation
+batch 2 switched into drafting 13 times in 115 drafting steps with 23-493 tokens to catch up,
+9.6 ms a step, and ran 16% slower than plain decoding. Here a catch-up token costs about
+0.025 ms (one layer's forward over it), so a switch costs as much as several plain steps.
 
 The catch-up is a one-off that buys every later step's drafting, so a step does not pay all
 of it: each row's excess (tokens behind past k + 1) is spread over the tokens it may still
 emit, and a step that emits e tokens a row is charged e times the sum of the rows' excess per
-token left (`switch_cost`). A row with few tokens left and a long way behind stays plain; a
-long request that joins a batch that drafts pays its prompt's catch-up once.
+token left (`switch_cost`). A row with few tokens left and a long way behind stays plain.
+The runner counts a row's distance from where its draft last ran or its prompt ends,
+whichever is later (workers/runner.py `_behind`): a prompt's catch-up is not priced (with
+it, batch 1 stood down for new requests where drafting paid net of it; DESIGN.md section 4).
+The cost per token is fitted from every long catch-up, prompts' included.
 """
 from __future__ import annotations
 

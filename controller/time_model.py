@@ -74,8 +74,8 @@ class TimeModel:
     n_knots: tuple = ()  # draft time at these batch sizes (both kinds, once fitted; empty: d0, d1 and d_first)
     n_ms: tuple = ()  # g
     h_ms: tuple = ()  # h (empty: d_first at every n)
-    # ms per token a first draft step catches up on past a steady step's: after standing down, or a new
-    # prompt (controller/catchup.py; 0: not priced)
+    # ms per token a first draft step catches up on past a steady step's (after standing down, or on a
+    # new prompt; controller/catchup.py; 0: not priced)
     catchup_ms: float = 0.0
 
     @property

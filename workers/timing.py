@@ -16,7 +16,6 @@ from workers.proposer import SeqState
 from workers.runner import ModelRunner
 
 
-
 def _fake_seqs(runner: ModelRunner, n: int, positions: int) -> list[SeqState]:
     per_seq = -(-positions // runner.block_size)
     total_blocks = runner.cache[0][0].shape[0]
