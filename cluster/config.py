@@ -99,6 +99,8 @@ class BenchConfig:
     serve_clients: list = field(default_factory=lambda: [1, 16, 64])  # closed-loop points, after the rates
     serve_client_rounds: int = 5  # interleaved rounds per closed-loop point (medians; ratios round by round)
     serve_rate_rounds: int = 3  # interleaved rounds per Poisson rate point (medians; ratios round by round)
+    # and more rounds at a rate until every arm has spent this long there (its short high-rate rounds are noisy)
+    serve_min_rate_s: float = 0.0
     # servers (processes) per arm of ours; round j of a rate measures an arm on its server j % serve_replicas, so
     # what separates two processes of the same code (about 1% here) averages out instead of staying in every ratio
     serve_replicas: int = 1
@@ -234,6 +236,8 @@ def validate(cfg: Config) -> None:
     if cfg.engine.prefill_max_wait_steps < 0:
         raise ConfigError(f"engine.prefill_max_wait_steps={cfg.engine.prefill_max_wait_steps} must be >= 0 "
                           "(0: every prompt in arrival order)")
+    if not cfg.bench.serve_min_rate_s >= 0:
+        raise ConfigError(f"bench.serve_min_rate_s={cfg.bench.serve_min_rate_s!r} must be >= 0 (seconds)")
     if not cfg.bench.min_round_s > 0:
         raise ConfigError(f"bench.min_round_s={cfg.bench.min_round_s!r} must be > 0")
     if not all(isinstance(r, (int, float)) and r > 0 for r in cfg.bench.serve_rates):

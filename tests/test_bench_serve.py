@@ -218,7 +218,7 @@ def test_a_rate_round_takes_each_arm_on_its_servers_in_turn(monkeypatch):
     monkeypatch.setattr(serving, "measure", fake)
     targets = [Target(arm, f"u/{arm}/{r}", None, replica=r) for arm in ("nospec", "adaptive-7") for r in range(3)]
     targets.append(Target("vllm-nospec", "v", "m"))
-    bench = SimpleNamespace(serve_rates=[0.5, 1.0], serve_rate_rounds=4, seed=0)
+    bench = SimpleNamespace(serve_rates=[0.5, 1.0], serve_rate_rounds=4, serve_min_rate_s=0.0, seed=0)
     points, every = rate_sweep(bench, targets, [], 10.0, random.Random(0))
     assert len(calls) == 2 * 4 * 3  # two rates, four rounds, three arms
     for i in range(8):  # round i % 4 of rate i // 4: every arm once, ours on server (i % 4) % 3
@@ -231,6 +231,41 @@ def test_a_rate_round_takes_each_arm_on_its_servers_in_turn(monkeypatch):
         assert p["replicas"] == ([0, 1, 2, 0] if ours else [0, 0, 0, 0])
         assert p["rounds"] == ([10.0, 20.0, 30.0, 10.0] if ours else [10.0] * 4)
     assert len(every) == 24 and all("replica" in p for p in every)
+
+
+def test_a_rate_takes_rounds_until_every_arm_spent_serve_min_rate_s_there(monkeypatch):
+    """bench.serve_min_rate_s: past bench.serve_rate_rounds, a rate takes more rounds until its
+    slowest-to-fill arm has spent that long there (a round at rate 1.0 lasts 0.5 s, at 0.5
+    2 s; adaptive's rounds are a little shorter than nospec's), and at most MAX_RATE_ROUNDS."""
+    import random
+    from types import SimpleNamespace
+
+    import cluster.bench.serving as serving
+    from cluster.bench.serving import Target, rate_sweep
+
+    calls = []
+
+    def fake(target, specs, rate, seed, fraction=None, api_key=None):
+        calls.append((target.arm, fraction))
+        wall = (1.0 / fraction) ** 2 * 0.5 * (0.9 if target.arm.startswith("adaptive") else 1.0)
+        return {"arm": target.arm, "rate": rate, "rate_fraction": fraction, "completed": 1, "errors": 0,
+                "error_examples": [], "output_tok_per_s": 10.0, "request_per_s": 1.0, "wall_s": wall,
+                "ttft_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
+                "itl_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "texts": ["x"]}
+
+    monkeypatch.setattr(serving, "measure", fake)
+    targets = [Target(arm, f"u/{arm}", None) for arm in ("nospec", "adaptive-7")]
+    bench = SimpleNamespace(serve_rates=[0.5, 1.0], serve_rate_rounds=2, serve_min_rate_s=3.0, seed=0)
+    points, every = rate_sweep(bench, targets, [], 10.0, random.Random(0))
+    rounds = {(p["arm"], p["rate_fraction"]): len(p["rounds"]) for p in points}
+    # rate 0.5: 2 rounds give nospec 4 s, adaptive 3.6 s; rate 1.0: adaptive needs 7 rounds of 0.45 s
+    assert rounds == {("nospec", 0.5): 2, ("adaptive-7", 0.5): 2, ("nospec", 1.0): 7, ("adaptive-7", 1.0): 7}
+    assert len(calls) == len(every) == 2 * (2 + 7)
+    monkeypatch.setattr(serving, "MAX_RATE_ROUNDS", 5)
+    calls.clear()
+    bench.serve_min_rate_s = 1e9
+    points, _ = rate_sweep(bench, targets, [], 10.0, random.Random(0))
+    assert [len(p["rounds"]) for p in points] == [5] * 4
 
 
 def test_serve_arm_names():

@@ -23,6 +23,8 @@ from tests.conftest import local_engine, tiny_config
     ("parallel.executor=mpi", "parallel.executor='mpi' is not one of: auto, ray, local"),
     ("bench.serve_replicas=0", "bench.serve_replicas=0 must be >= 1"),
     ("bench.serve_warmup_requests=-1", "bench.serve_warmup_requests=-1 must be a request count >= 0"),
+    ("bench.serve_min_rate_s=-5", "bench.serve_min_rate_s=-5.0 must be >= 0 (seconds)"),
+    ("bench.serve_min_rate_s=long", "bench.serve_min_rate_s: expected float"),
 ])
 def test_bad_override_names_the_key(override, words):
     with pytest.raises(ConfigError) as e:

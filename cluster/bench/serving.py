@@ -12,7 +12,8 @@ of them per arm), all started first;
 with bench.vllm_python set, also vLLM's OpenAI server on the same checkpoint
 (bench.serve_vllm_arms). At every rate the arms take turns in bench.serve_rate_rounds
 rounds, in an order shuffled (seeded) round by round, on the same requests and the same
-arrival times (a point: the medians over rounds; `rate_sweep`), round j on an arm's
+arrival times, and more rounds until every arm spent bench.serve_min_rate_s at the rate
+(a point: the medians over rounds; `rate_sweep`), round j on an arm's
 server j % bench.serve_replicas; every arm's processes,
 ours and vLLM's alike, are stopped (SIGSTOP) while the others are measured, and after a
 vLLM arm the next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`). `--url` measures one
@@ -135,6 +136,8 @@ def running(target: Target):
             target.server.pause()
 
 
+# the most rounds a rate takes to reach bench.serve_min_rate_s (at 120% of saturation a round lasts about 1.2 s)
+MAX_RATE_ROUNDS = 40
 PORT_RANGE = 64  # ports the arms' replicas may take (ports in use are skipped)
 PAUSED_HEALTH_CHECK_TIMEOUT_S = 24 * 3600.0  # a replica stopped while other arms run answers its check later
 
@@ -271,11 +274,13 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
 
 def rate_sweep(bench, targets: list[Target], specs: list[RequestSpec], sat_rps: float,
                rng: random.Random) -> tuple[list[dict], list[dict]]:
-    """The Poisson points: at every rate, bench.serve_rate_rounds rounds, every arm once per
-    round in an order shuffled per round, on the same requests and arrival times; round j
-    takes an arm's server j % (its servers). A point at
-    75-120% of saturation lasts about 2 s, and one arm's throughput moved by 15-20% from one
-    pass to the next on this machine (the ratio of two arms measured side by side, 2-5%).
+    """The Poisson points: at every rate, bench.serve_rate_rounds rounds, and more until every
+    arm has spent bench.serve_min_rate_s there (`more_rounds`), every arm once per round in an
+    order shuffled per round, on the same requests and arrival times; round j takes an arm's
+    server j % (its servers). A point at 75-120% of saturation lasts about 1.2-2 s, and one
+    arm's throughput moved by 15-20% from one pass to the next on this machine (the ratio of
+    two arms measured side by side, 2-5%): with 4 rounds a rate's median ratio had an interval
+    7% wide there, against 0.5-1% at 10-25%, whose rounds last 4-10 s.
     Returns the points merged over rounds (clients.merge_rounds: medians, and each round's
     throughput, so ratios are taken round by round) and every round's point."""
     from cluster.bench.clients import merge_rounds
@@ -286,18 +291,28 @@ def rate_sweep(bench, targets: list[Target], specs: list[RequestSpec], sat_rps: 
     arms, points, every = list(servers), [], []
     bar = tqdm(total=len(bench.serve_rates) * bench.serve_rate_rounds * len(arms), desc="sweep", mininterval=2)
     for i, fraction in enumerate(bench.serve_rates):
-        got = {arm: [] for arm in arms}
-        for j in range(bench.serve_rate_rounds):
+        got, j = {arm: [] for arm in arms}, 0
+        while j < bench.serve_rate_rounds or more_rounds(got, j, bench.serve_min_rate_s):
+            if j >= bench.serve_rate_rounds:
+                bar.total += len(arms)
+                bar.refresh()
             for arm in rng.sample(arms, len(arms)):
                 t = servers[arm][j % len(servers[arm])]
                 got[arm].append(dict(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction),
                                      replica=t.replica))
                 time.sleep(t.settle_s)
                 bar.update()
+            j += 1
         points += [merge_rounds(got[arm]) for arm in arms]
         every += [p for arm in arms for p in got[arm]]
     bar.close()
     return points, every
+
+
+def more_rounds(got: dict[str, list[dict]], done: int, min_s: float) -> bool:
+    """After `done` rounds of a rate (got: each arm's points so far): does it need another for
+    every arm to have spent min_s there (bench.serve_min_rate_s)? At most MAX_RATE_ROUNDS."""
+    return done < MAX_RATE_ROUNDS and min(sum(p["wall_s"] for p in points) for points in got.values()) < min_s
 
 
 def closed_loop(cfg, config: str | None, overrides: list[str], targets: list[Target], specs: list[RequestSpec],
