@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cluster.bench.serving import arm_overrides, run_sweep
 from cluster.config import ConfigError, load_config
 from cluster.engine.trace import read_trace
@@ -266,6 +268,13 @@ def test_a_rate_takes_rounds_until_every_arm_spent_serve_min_rate_s_there(monkey
     bench.serve_min_rate_s = 1e9
     points, _ = rate_sweep(bench, targets, [], 10.0, random.Random(0))
     assert [len(p["rounds"]) for p in points] == [5] * 4
+
+
+def test_a_sweep_without_nospec_is_refused_before_any_server_starts(tmp_path):
+    """The rates are fractions of nospec's saturation: without that arm the sweep has no rates."""
+    cfg = load_config("yamls/tiny.yaml", ["bench.serve_arms=[static-3,adaptive-7]"])
+    with pytest.raises(ConfigError, match=r"bench.serve_arms=\['static-3', 'adaptive-7'\] has no nospec"):
+        run_sweep(cfg, "yamls/tiny.yaml", [], tmp_path)
 
 
 def test_serve_arm_names():

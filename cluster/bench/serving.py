@@ -223,6 +223,9 @@ def run_sweep(cfg, config: str | None, overrides: list[str], out_dir: Path, url:
     from cluster.engine.core import load_tokenizer
 
     bench, started = cfg.bench, time.perf_counter()
+    if not url and "nospec" not in bench.serve_arms:
+        raise ConfigError(f"bench.serve_arms={list(bench.serve_arms)} has no nospec: the rates are fractions of "
+                          "its saturation, measured first")
     specs = workload(load_tokenizer(cfg.model.target), bench)
     ours, peers, targets = None, [], []
     try:
