@@ -1,6 +1,6 @@
 """One rank's model state and step, without Ray: prefill, and the speculative decode step
 
-    draft (proposer) -> decide keep[i] -> validate [last, d_1..d_keep[i]] -> accept -> commit
+    draft (proposer; workers/drafting.py) -> decide keep[i] -> validate [last, d_1..d_keep[i]] -> accept -> commit
 
 The validate forward packs ragged queries, so its cost follows sum(keep[i] + 1), not
 batch * (k + 1). Every rank runs this same code on the same inputs and so reaches the
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
@@ -22,43 +21,10 @@ from controller.yields import above
 
 from models.attention import AttnBatch
 from models.decoder import CausalLM
-from workers.plan import ForkPlan, SamplingParams, SeqOutput, StepPlan, StepResult, StepStats, StepTrace
+from workers import drafting
+from workers.plan import ForkPlan, SeqOutput, StepPlan, StepResult, StepStats, StepTrace
 from workers.proposer import Proposer, SeqState
-from workers.sampler import (argmax_rows, draft_sample, draft_top2, greedy_accept, probs_from_logits,
-                             rejection_accept, sample_token, uniform)
-
-
-@dataclass
-class DraftBlock:
-    tokens: torch.Tensor  # (n, m) draft tokens
-    top_prob: np.ndarray  # (n, m) the draft's top probability at each position
-    token_prob: np.ndarray  # (n, m) the draft's probability of the drafted token
-    steps: int  # draft forwards run: m <= k (the budget, or fewer after an early stop)
-    q: dict[int, torch.Tensor]  # sampled sequence index -> (m, V) distributions its drafts were drawn from
-    margin: np.ndarray | None = None  # (n, m) top-1 minus top-2 probability
-    entropy: np.ndarray | None = None  # (n, m) entropy of the draft distribution, nats (step traces only)
-    control_ms: float = 0.0  # time spent deciding whether to draft on (the early stop)
-    catchup_tokens: int = 0  # tokens the proposer caught up on before draft 1
-    rows: list[int] | None = None  # the sequences that drafted (None: every one); the others hold zeros
-
-    def steps_of(self, i: int) -> int:
-        """Drafts sequence i made."""
-        return self.steps if self.rows is None or i in self.rows else 0
-
-    def placed(self, rows: list[int], n: int) -> DraftBlock:
-        """This block, drafted for `rows` alone, as the block of all n sequences."""
-        m = self.steps
-
-        def spread(a):
-            if a is None:
-                return None
-            out = torch.zeros(n, m, dtype=a.dtype) if isinstance(a, torch.Tensor) else np.zeros((n, m))
-            out[rows] = a
-            return out
-
-        return DraftBlock(spread(self.tokens), spread(self.top_prob), spread(self.token_prob), m,
-                          {rows[i]: q for i, q in self.q.items()}, spread(self.margin), spread(self.entropy),
-                          self.control_ms, self.catchup_tokens, list(rows))
+from workers.sampler import argmax_rows, greedy_accept, probs_from_logits, rejection_accept, sample_token
 
 
 class ModelRunner:
@@ -184,7 +150,8 @@ class ModelRunner:
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
             return self._decode_plain(plan, seqs, kv, step, stats)
-        draft = self._draft(seqs, [p.sampling for p in plan.seqs], step, plan.trace)
+        draft = drafting.draft(self.proposer, seqs, [p.sampling for p in plan.seqs], step, plan.trace,
+                               self.block_size, self.device)
         t2 = time.perf_counter()
         keep = step.keep(draft.top_prob, draft.token_prob, draft.margin, draft.tokens)  # (n,) list
         t3 = time.perf_counter()
@@ -231,7 +198,7 @@ class ModelRunner:
         stats.num_tokens, stats.kv_tokens = n, sum(kv)
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         keep = [0] * n
-        outputs = self._accept(plan, seqs, NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats,
+        outputs = self._accept(plan, seqs, drafting.NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats,
                                out is not None)
         t0 = time.perf_counter()
         self.policy.end_plain_step(step)
@@ -244,71 +211,6 @@ class ModelRunner:
     def _out_rows(self, n: int) -> tuple[torch.Tensor, int] | None:
         """Where a target forward of n rows also writes its output: the rows the proposer keeps it in, if any."""
         return self.proposer.reserve(n) if self.proposer is not None else None
-
-    def _draft(self, seqs: list[SeqState], params: list[SamplingParams], step, trace: bool) -> DraftBlock:
-        """step.budget draft positions for step.rows (every sequence when None). Greedy
-        sequences draft the argmax; sampled ones draw from their sampling distribution q,
-        kept for the rejection test. The confidence inputs (top probability, margin to the
-        second largest) never depend on the drawn token. `trace` also records each
-        position's entropy. Rows that did not draft hold zeros."""
-        n, rows = len(seqs), step.rows
-        if step.budget == 0:
-            empty = np.zeros((n, 0))
-            return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
-        if rows is None:
-            return self._draft_rows(seqs, params, step.budget, step.early_stop, trace)
-        part = self._draft_rows([seqs[i] for i in rows], [params[i] for i in rows], step.budget, step.early_stop,
-                                trace)
-        return part.placed(rows, n)
-
-    def _draft_rows(self, seqs: list[SeqState], params: list[SamplingParams], budget: int, early_stop,
-                    trace: bool) -> DraftBlock:
-        """Up to `budget` draft positions for every one of seqs; early_stop: SpecStep.early_stop
-        (its answer None: no early stop).
-        Position j's tokens and confidence inputs go into row j of (budget, n) buffers, which
-        the early stop and the block read: nothing is stacked or converted between the
-        draft's forward passes but one kernel call (sampler.draft_top2)."""
-        n = len(seqs)
-        sampled = [i for i, sp in enumerate(params) if not sp.greedy]
-        qs = {i: [] for i in sampled}
-        tokens = torch.empty(budget, n, dtype=torch.long)
-        inputs = torch.empty(3, budget, n, dtype=torch.float64)  # top probability, margin, drafted token's probability
-        top, margin, chosen = inputs.numpy()
-        t0 = time.perf_counter()
-        keep_drafting = early_stop(top, margin, tokens)
-        entropies, control_ms, m = [], (time.perf_counter() - t0) * 1e3, 0
-        run, logits = self.proposer.begin(seqs, self.block_size)
-        for j in range(budget):
-            m = j + 1
-            logits = logits.float().cpu()
-            d = tokens[j]
-            draft_top2(logits, d, inputs[0, j], inputs[1, j])
-            chosen[j] = top[j]
-            for i in sampled:
-                # a row that is no distribution (draft_top2 gave it no confidence) proposes from the
-                # uniform one: any q the drafts are drawn from keeps the rejection test exact
-                qi = probs_from_logits(logits[i], params[i]) if top[j, i] > 0 else uniform(logits.shape[-1])
-                qs[i].append(qi)
-                d[i] = draft_sample(qi, params[i], position=len(seqs[i].tokens) + j)
-                best = qi.topk(2).values
-                top[j, i], chosen[j, i], margin[j, i] = float(best[0]), float(qi[d[i]]), float(best[0] - best[1])
-            if trace:
-                dist = torch.softmax(logits, dim=-1)
-                for i in sampled:
-                    dist[i] = qs[i][-1]
-                entropies.append(-(dist * dist.clamp_min(1e-30).log()).sum(-1))
-            if j == budget - 1:
-                break
-            if keep_drafting is not None:  # None: the whole budget
-                t0 = time.perf_counter()
-                more = keep_drafting(m)
-                control_ms += (time.perf_counter() - t0) * 1e3
-                if not more:
-                    break
-            logits = self.proposer.next(run, d.to(self.device))
-        return DraftBlock(tokens[:m].T, top[:m].T, chosen[:m].T, m, {i: torch.stack(rows) for i, rows in qs.items()},
-                          margin[:m].T, torch.stack(entropies, 1).double().numpy() if trace else None, control_ms,
-                          run.catchup_tokens)
 
     def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats,
                 written: bool = False) -> list[SeqOutput]:
@@ -354,8 +256,6 @@ class ModelRunner:
         return outputs
 
 
-# what a step that drafted nothing hands the accept loop (it reads only `steps`)
-NO_DRAFTS = DraftBlock(torch.zeros(0, 0, dtype=torch.long), np.zeros((0, 0)), np.zeros((0, 0)), 0, {})
 
 
 def _rounded(a: np.ndarray) -> list[list[float]]:

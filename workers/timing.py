@@ -11,6 +11,7 @@ import torch
 
 from controller.catchup import SWEEP_CATCHUP  # tokens a timed draft step catches up on per sequence
 from models.attention import AttnBatch
+from workers.drafting import draft_rows
 from workers.plan import SamplingParams
 from workers.proposer import SeqState
 from workers.runner import ModelRunner
@@ -73,6 +74,6 @@ def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3) -
             s.hidden_start = start
             runner.proposer.start(s, zeros)
             del s.tokens[ctx + 1:]
-        runner._draft_rows(seqs, params, steps, lambda *_: None, False)
+        draft_rows(runner.proposer, seqs, params, steps, lambda *_: None, False, runner.block_size, runner.device)
 
     return _timed(run, runs)
