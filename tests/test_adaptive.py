@@ -115,6 +115,14 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
 
     trace = tmp_path / "steps.jsonl"
     engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE, f"engine.trace_path={trace}"))
+    policy, models = engine.workers.worker.runner.policy, {}  # every time model installed, by version
+    install = policy.install
+
+    def recorded(model):
+        models[model.version] = model
+        return install(model)
+
+    policy.install = recorded
     try:
         engine.time_models.install(PRUNING_MODEL)
         for prompt in sharegpt_prompts[:4]:
@@ -130,6 +138,10 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
     assert drafted
     for x, s in drafted:
         assert x["draft_ms"] < s.draft_ms <= x["draft_ms"] + x["control_ms"] + 1e-3
+    # what the time model in force predicted for the draft, beside what it took
+    assert all(x["predicted_draft_ms"] == round(models[x["version"]].draft_ms(x["draft_seqs"], x["draft_steps"]), 4)
+               for x, _ in drafted)
+    assert all(x["predicted_draft_ms"] == 0.0 for x in lines if not x["draft_steps"])
 
 
 def test_registry_leaves_one_offs_out_of_a_steps_rest_and_draft(sharegpt_prompts, monkeypatch):

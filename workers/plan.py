@@ -96,6 +96,7 @@ class StepStats:
     num_tokens: int = 0  # target tokens computed (sum of q_len)
     kv_tokens: int = 0  # sum over sequences of q_len * context length (the time model's third feature)
     predicted_validate_ms: float = 0.0  # what the time model in force predicted for this validation
+    predicted_draft_ms: float = 0.0  # ... and for the step's draft forwards (step traces only)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: sequences that accepted draft j+1
     verified_per_position: list[int] = field(default_factory=list)  # [j]: sequences that verified draft j+1
     trace: StepTrace | None = None  # when the plan asked for it

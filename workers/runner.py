@@ -179,6 +179,7 @@ class ModelRunner:
         self.policy.end_step(step, draft.top_prob, draft.margin, keep, accepted)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
+            stats.predicted_draft_ms = step.model.draft_ms(stats.draft_seqs, draft.steps)
             stats.trace = StepTrace(kv, step.max_keep.tolist(), _rounded(draft.top_prob), _rounded(draft.margin),
                                     _rounded(draft.entropy), keep, accepted, step.probe)
         return outputs

@@ -14,8 +14,9 @@ A line (n sequences in the step, m draft positions drafted, m <= k):
     catchup                tokens the first draft forward caught up on (a prompt, or the tokens of
                            steps that drafted nothing, make it long)
     draft_seqs             sequences that drafted (all of them, or a probe's explored rows alone)
-    draft_ms, validate_ms  measured on rank 0; predicted_validate_ms is what the time model
-                           in force predicted for that validation
+    draft_ms, validate_ms  measured on rank 0; predicted_validate_ms and predicted_draft_ms are
+                           what the time model in force predicted for them (the draft: h(n) +
+                           m g(n) for its n drafting sequences, no catch-up past a steady step's)
     control_ms             rank 0's time in speculation control (budget, early stop, keep,
                            calibration), outside draft_ms and validate_ms
     step_ms                the step's wall time on the driver
@@ -57,7 +58,8 @@ class TraceWriter:
                 "catchup": stats.catchup_tokens, "draft_seqs": stats.draft_seqs,
                 "draft_ms": round(stats.draft_ms, 4), "validate_ms": round(stats.validate_ms, 4),
                 "control_ms": round(stats.control_ms, 4),
-                "predicted_validate_ms": round(stats.predicted_validate_ms, 4), "step_ms": round(step_ms, 4),
+                "predicted_validate_ms": round(stats.predicted_validate_ms, 4),
+                "predicted_draft_ms": round(stats.predicted_draft_ms, 4), "step_ms": round(step_ms, 4),
                 "seq": [p.seq_id for p in plan.seqs], "kv": t.kv, "num_spec": t.num_spec, "top_prob": t.top_prob,
                 "margin": t.margin,
                 "entropy": t.entropy, "keep": t.keep, "accepted": t.accepted}
