@@ -29,6 +29,9 @@ class _Engine:
     def has_work(self) -> bool:
         return self.stats.steps < len(TEXTS)
 
+    def idle(self) -> None:
+        pass
+
     def step(self) -> list[RequestOutput]:
         i = self.stats.steps + 1
         # the step after the first text takes half an interval: a poll that lets the first text through at once
@@ -78,6 +81,9 @@ class _Busy:
     def has_work(self) -> bool:
         return self.stats.steps < self.total
 
+    def idle(self) -> None:
+        pass
+
     def step(self) -> list[RequestOutput]:
         time.sleep(STEP_S)
         i = self.stats.steps = self.stats.steps + 1
@@ -112,6 +118,42 @@ def test_a_first_text_or_an_end_goes_out_alone_and_the_other_streams_keep_the_in
     assert np.median(late) < INTERVAL_S / 4  # the short requests' ends, at once
 
 
+class _Idle:
+    """Two steps of work, then none."""
+
+    decoder = object()
+
+    def __init__(self):
+        self.stats = SimpleNamespace(steps=0)
+        self.events: list[str] = []
+
+    def has_work(self) -> bool:
+        return self.stats.steps < 2
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(STEP_S)
+        self.stats.steps += 1
+        self.events.append("step")
+        return []
+
+    def idle(self) -> None:
+        self.events.append("idle")
+
+
+def test_the_loop_calls_idle_once_the_engine_has_nothing_to_step():
+    """Engine.idle (the registry's deferred calls) runs between steps never, once per idle spell."""
+    engine = _Idle()
+    loop = EngineLoop(engine)
+    try:
+        deadline = time.monotonic() + 5.0
+        while "idle" not in engine.events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # a loop that spun on idle would add more
+    finally:
+        loop.shutdown()
+    assert engine.events == ["step", "step", "idle"]
+
+
 class _Slow:
     """Three long steps; adds (an empty prompt is refused) and aborts are logged with the
     number of steps done when they reached the engine."""
@@ -125,6 +167,9 @@ class _Slow:
 
     def has_work(self) -> bool:
         return self.stats.steps < 3
+
+    def idle(self) -> None:
+        pass
 
     def add_request(self, prompt, params, request_id):
         from cluster.engine.request import RequestError

@@ -128,6 +128,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def idle(self) -> None:
+        """Called by a server's loop when it has nothing to step: work that need not delay a
+        step runs here (the time-model registry's calls; TimeModelLink.idle)."""
+        if self.time_models is not None:
+            self.time_models.idle()
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()

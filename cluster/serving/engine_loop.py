@@ -178,11 +178,20 @@ class EngineLoop:
                     if self.engine.has_work():
                         self._wake.set()
                 self._publish(outputs)
+                if not self._wake.is_set():  # nothing left to step, nothing submitted: an idle spell
+                    self._idle()
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
             log.exception("engine loop stopped")
             self.error = e
             with self._outbox_cond:
                 self._outbox_cond.notify_all()
+
+    def _idle(self) -> None:
+        """Engine.idle once the last step's outputs are out, unless a caller or a submit came
+        first: what it runs (the time-model registry's calls) then delays no step."""
+        with self._cond:
+            if not (self._stopped or self._callers or self._wake.is_set() or self.engine.has_work()):
+                self.engine.idle()
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
