@@ -33,6 +33,9 @@ OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at
 OBSERVE_ROWS = 512  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 512  # ... but never more steps than this
 CALIBRATE_ROWS = 1024  # a batch of more sequence-steps fits on an evenly spaced sample of about this many
+# the least time a step is priced at: a refit on a few samples can price every term at 0 (forced refits every
+# 4 steps at TP=4 had made a step's time 0, and the budget divided by it)
+MIN_STEP_MS = 1e-6
 COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, every adaptive step probes and
 # its outcomes reach the calibrators at once (a cold start: see begin_step)
 
@@ -297,8 +300,9 @@ class SpecPolicy:
             x = verified - 1.0
             lo = min(int(x), k - 1)
             f_val = f[lo] + (x - lo) * (f[lo + 1] - f[lo])
-            terms.append((m, expected, (o0 + o1 * (n * expected)) + (first + m * g) + f_val, verified))
-        out = (tm.other_ms(n) + f[0], terms)
+            terms.append((m, expected, max((o0 + o1 * (n * expected)) + (first + m * g) + f_val, MIN_STEP_MS),
+                          verified))
+        out = (max(tm.other_ms(n) + f[0], MIN_STEP_MS), terms)
         self._budget_cache[key] = (tm, out)
         return out
 

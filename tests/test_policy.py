@@ -306,6 +306,17 @@ def test_a_cold_start_does_not_probe_where_no_acceptance_could_pay():
     assert policy.cold and policy.probes.probes == 3  # steps 1, 33 and 97: the interval doubled
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_time_model_that_prices_everything_at_zero_still_decides(n):
+    """A refit on a few samples can price a step at 0 (forced refits every 4 steps at TP=4
+    had done so, and the cold start's could_pay divided by it): every adaptive step still
+    gets a budget, the same one each time (drafting is free: as far as it may go)."""
+    policy = _policy(4)
+    zero = TimeModel(version=1, b0=0.0, b1=0.0, d0=0.0, d1=0.0)
+    assert policy.could_pay(zero, n, 4)
+    assert [_budget(policy, zero, n=n) for _ in range(3)] == [4] * 3
+
+
 @pytest.mark.parametrize("n", [1, 2, 40])  # batch 1's path, the small batches', the arrays'
 def test_early_stop_looks_one_draft_ahead_at_the_observed_rate(n):
     """After one draft the early stop asks whether a second pays. Position 1 is accepted 90%
