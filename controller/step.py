@@ -140,21 +140,14 @@ class SpecStep:
             total = sum(self.kv_list) if self.kv_list is not None else self.kv.sum()
         kv_ms = tm.b2 * float(total)
         base, terms = policy.budget_terms(tm, n, k)
-        best_m, best, scale = 0, 1.0 / (base + kv_ms), 1.0 + policy.cfg.adaptive.min_gain
-        for m, expected, fixed, verified in terms:
-            theta = expected / (fixed + verified * kv_ms)
-            if theta > best * scale:
-                best_m, best = m, theta
+        scale = 1.0 + policy.cfg.adaptive.min_gain
+        best_m = _best_budget(base, terms, kv_ms, scale)
         if best_m and self.catchup is not None:
             # rows behind by more than a steady step: each token the step emits them pays its share of
             # their catch-up (controller/catchup.py; expected: tokens per row); asked only where it would draft
             per_token = tm.catchup_ms * self.catchup(k)
             if per_token > 0.0:
-                best_m, best = 0, 1.0 / (base + kv_ms)
-                for m, expected, fixed, verified in terms:
-                    theta = expected / (fixed + verified * kv_ms + expected * per_token)
-                    if theta > best * scale:
-                        best_m, best = m, theta
+                best_m = _best_budget(base, terms, kv_ms, scale, per_token)
         self.best_m = best_m
         if self.probe:
             return min(k, best_m + 1)
@@ -329,6 +322,19 @@ class SpecStep:
                 col = col.tolist() if small else col
             self.conf.append(col)
         return self.conf[:count]
+
+
+def _best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0) -> int:
+    """The draft budget's argmax over m = 0..k (SpecPolicy.budget_terms' base and terms, the
+    batch's context cost kv_ms, scale = 1 + min_gain), each token a row emits costing per_token
+    ms more where the step drafts (its rows' catch-up); ties keep the smaller m."""
+    best_m, best = 0, 1.0 / (base + kv_ms)
+    for m, expected, fixed, verified in terms:
+        cost = fixed + verified * kv_ms
+        theta = expected / (cost + expected * per_token if per_token else cost)
+        if theta > best * scale:
+            best_m, best = m, theta
+    return best_m
 
 
 def _matrix(cols: list[list[float]]) -> list[list[float]]:

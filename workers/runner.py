@@ -257,8 +257,6 @@ class ModelRunner:
         return outputs
 
 
-
-
 def _rounded(a: np.ndarray) -> list[list[float]]:
     return np.round(a, 4).tolist()
 

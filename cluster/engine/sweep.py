@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from cluster.config import Config
 from cluster.engine.executor import WorkerGroup
+from controller.catchup import SWEEP_CATCHUP
 from controller.registry import ProfileRegistry, StepSample
 from controller.time_model import FitReport, TimeModel
-from workers.timing import SWEEP_CATCHUP
 
 log = logging.getLogger("adaspec.sweep")
 GRID_SEQS_STEP = 4  # sequences: 1, 4, 16, ... up to engine.max_num_seqs (which is swept too)
