@@ -180,3 +180,27 @@ def test_registry_leaves_one_offs_out_of_a_steps_rest_and_draft(sharegpt_prompts
     assert [s.one_off == 0 for s in online] == draft
     assert any(s.draft_steps and not s.one_off for s in online) and not all(rest) and rest != draft
     assert policy.calibrations > 2 and marks[-1][1] > marks[0][1]
+
+
+def test_a_trace_line_says_how_long_the_engine_waited_since_its_last_step(tmp_path):
+    """gap_ms: from the engine's previous step's end to this step's start (what a server's loop
+    spends between steps, or its idle wait)."""
+    import json
+    import time
+
+    trace = tmp_path / "steps.jsonl"
+    engine = local_engine(tiny_config("parallel.tp_size=1", f"engine.trace_path={trace}"))
+    try:
+        engine.add_request(list(range(5, 25)), greedy(12))
+        engine.step()  # the prefill
+        waited = []
+        while engine.has_work():
+            waited.append(len(waited) % 2 == 1)
+            if waited[-1]:
+                time.sleep(0.03)
+            engine.step()
+    finally:
+        engine.shutdown()
+    gaps = [json.loads(line)["gap_ms"] for line in trace.read_text().splitlines()]
+    assert len(gaps) == len(waited) >= 4
+    assert all((gap >= 30.0) == slept for gap, slept in zip(gaps, waited)), gaps

@@ -57,6 +57,7 @@ class Engine:
         self._failures = 0  # consecutive worker-group recoveries without a completed step
         self._ids = itertools.count()
         self._requests = itertools.count()
+        self._step_end = 0.0  # when the last step returned (perf_counter s), 0: none since an empty one
         self.tracer = TraceWriter(cfg.engine.trace_path, cfg.engine.trace_label) if cfg.engine.trace_path else None
 
     def _start_time_models(self) -> TimeModelLink:
@@ -137,6 +138,7 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        gap_ms, self._step_end = (start - self._step_end) * 1e3 if self._step_end else 0.0, 0.0
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
@@ -190,7 +192,8 @@ class Engine:
             self.stats.decode_seq_ms += len(updates) * step_ms
             self.stats.decode_tokens += emitted
             if plan.trace:
-                self.tracer.write(plan, st, step_ms)
+                self.tracer.write(plan, st, step_ms, gap_ms)
+        self._step_end = time.perf_counter()
         return updates
 
     def _recover(self, error: Exception) -> None:
