@@ -15,6 +15,9 @@ class AdaptiveConfig:
     min_gain: float = 0.0  # a kept draft must raise estimated throughput by more than this (tokens/s)
     estimator: str = "top_prob_logistic"  # one of ESTIMATORS (controller/estimators.py)
     early_stop: bool = True  # after each draft step, draft the next only if it pays its draft step
+    # batch 1: the sequence's own acceptance record shifts the rates its budget and early stop expect
+    # (controller/history.py)
+    seq_history: bool = True
     # "linear" (xLLM's) or "table": monotone in validated tokens and batch size; the table predicts held-out
     # steps a little better (MAPE 16.1-16.3% vs 16.8-17.3%) but adaptive did not decide better with it
     time_model: str = "linear"

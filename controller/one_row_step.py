@@ -19,10 +19,12 @@ from controller.time_model import TimeModel
 class OneRowStep(SpecStep):
     __slots__ = ("_one", "_watched")  # the step's OneRow (SpecPolicy.one_row); early_stop gave it the buffers
 
-    def __init__(self, policy, probe: bool, kv, max_keep, model: TimeModel, k: int, cold_start: bool = False):
-        """kv, max_keep: one context length and cap (lists, or arrays); k > 0: drafts the step may make."""
+    def __init__(self, policy, probe: bool, kv, max_keep, model: TimeModel, k: int, cold_start: bool = False,
+                 level: int = 0):
+        """kv, max_keep: one context length and cap (lists, or arrays); k > 0: drafts the step may make;
+        level: its sequence's record's (controller/history.py), whose OneRow decides."""
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, "adaptive", probe, model, None
-        self.cold_start = cold_start
+        self.cold_start, self.level = cold_start, level
         self.kv = self.kv_list = kv if isinstance(kv, list) else kv.tolist()
         self.max_keep_list = max_keep if isinstance(max_keep, list) else max_keep.tolist()
         self._caps = None if isinstance(max_keep, list) else max_keep
@@ -32,7 +34,7 @@ class OneRowStep(SpecStep):
         self._first = -policy.adaptive_steps % EXPLORE_EVERY  # 0: this step explores its row
         cap = self.kmax = self.max_keep_list[0]
         # the budget (SpecStep._budget): the OneRow's best m, one position more for a probe or the early stop
-        one = self._one = policy.one_row(model, cap)
+        one = self._one = policy.one_row(model, cap, level)
         best_m = self.best_m = one.begin(self.kv_list[0], cap, k)
         budget = min(k, best_m + 1) if probe or (best_m and policy.early_stop_on) else best_m
         if budget and not probe and policy.probes.plain_due():

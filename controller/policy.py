@@ -19,7 +19,8 @@ import numpy as np
 
 from controller.config import SpeculativeConfig
 from controller.decision import draft_units, f_table, rest_units, step_costs
-from controller.estimators import Calibrator, LogisticCalibrator
+from controller.estimators import PRIOR_WEIGHT, Calibrator, LogisticCalibrator
+from controller.history import level, shifted, shifted_shares
 from controller.one_row import new_one_row
 from controller.one_row_step import OneRowStep
 from controller.pending import every, joined, stacked
@@ -52,7 +53,8 @@ class SpecPolicy:
         # adaptive steps of one sequence on the logistic estimate as OneRowSteps (False: SpecSteps, which
         # decide alike in more Python; tests compare the two)
         self.one_row_steps = self.logistic_estimates
-        self._one_row: tuple | None = None  # batch 1: (time model, extra, its OneRow)
+        self._one_row: dict[int, tuple] = {}  # batch 1, per level (controller/history.py): (time model, extra, OneRow)
+        self.seq_history = cfg.adaptive.seq_history  # batch 1: the sequence's own record shifts its rates
         self._compiled_weights: tuple | None = None  # (logistic weights, as the kernels take them)
         self.calibrator = Calibrator(max(cfg.num_speculative_tokens, 1))  # also the yields' prior
         self.logistic = LogisticCalibrator(max(cfg.num_speculative_tokens, 1))
@@ -108,14 +110,17 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, mode: str, kv, max_keep, version: int, k: int,
-                   oracle: np.ndarray | None = None, catchup=None) -> SpecStep:
+                   oracle: np.ndarray | None = None, catchup=None, record: tuple | None = None) -> SpecStep:
         """The step's decisions (controller/step.py): kv, max_keep: (n,) context length and
         drafts each sequence may verify, lists of ints (or arrays; a list spares a small batch
         numpy's calls, each several microseconds between two forward passes, when the caches
         are cold); k: drafts the step may make (0: none); oracle: (n, k)
         reference tokens after the last emitted one (-1 past the end), oracle mode only;
         catchup: None, or a callable k -> the rows' catch-up past a steady step's per token
-        they may still emit (catchup.switch_cost), asked only where it may change the budget.
+        they may still emit (catchup.switch_cost), asked only where it may change the budget;
+        record: a batch-1 step's sequence's draft record (hits, trials; controller/history.py),
+        whose level shifts the rates its budget and early stop expect (None, or seq_history off:
+        the pooled rates).
 
         Probe steps: without them, positions the budget calls hopeless would never be
         drafted, and the estimates could never learn that they are not. A probe drafts one
@@ -141,18 +146,19 @@ class SpecPolicy:
             probe = self.probes.due(n, cold=learning)
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
+            at = level(record[0], record[1], self.pooled_rate) if n == 1 and record and self.seq_history else 0
             if n == 1 and k and self.one_row_steps:
                 if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
-                    return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning)
+                    return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning, level=at)
             if n > 1 and k:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop
                 if not probe and model.b2 * float(total) >= self.stand_down_at(model, n, k):
                     return PlainStep(self, model, kv, max_keep, k)
         else:
-            catchup = None
+            catchup, at = None, 0
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,
-                        catchup=catchup)
+                        catchup=catchup, level=at)
 
     def full_caps(self, n: int, cap: int) -> np.ndarray:
         """[cap] * n as a read-only array, made once per (n, cap): a large batch's caps, which are
@@ -197,7 +203,7 @@ class SpecPolicy:
             self.probes.found(len(step.kv), step.best_m > 0)
         self._count_step(0)
 
-    def one_row(self, tm: TimeModel, extra: int):
+    def one_row(self, tm: TimeModel, extra: int, at: int = 0):
         """Batch 1's OneRow (controller/one_row.py), deciding on the logistic estimate, for steps
         that may decide on `extra` drafts; each step starts it with `begin`, which also answers
         the draft budget. It is kept across steps and rebuilt only when the time model changes,
@@ -207,20 +213,21 @@ class SpecPolicy:
         for at least the policy's k, as its terms for m drafts do not depend on how many more
         it holds and a step's cap bounds what it decides on: the last steps of a sequence, which
         may verify fewer drafts (max_tokens is near), had rebuilt it at 14% of batch 1's
-        adaptive steps, about 18 us a step on average."""
-        held = self._one_row
+        adaptive steps, about 18 us a step on average. One per level (`at`, controller/history.py)
+        of the sequences' records: their rates and budget terms are the level's."""
+        held = self._one_row.get(at)
         if held is None or held[0] is not tm or held[1] < extra:
-            weights, rates = self.logistic.weights, self.next_rates
+            weights, rates = self.logistic.weights, self.rates_at(at)
             extra = max(extra, self.cfg.num_speculative_tokens)
             costs = step_costs(tm, [0], extra, self.f_values(tm, "decide", 1, extra))
             compiled = self.compiled
             one = new_one_row(costs, self.cfg.adaptive.min_gain, extra,
                               weights if compiled is None else self.compiled_weights(), compiled)
             one.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(extra + 2)], rates)
-            base = self.budget_terms(tm, 1, 1)[0]
-            terms = [[]] + [self.budget_terms(tm, 1, k)[1] for k in range(1, extra + 1)]
+            base = self.budget_terms(tm, 1, 1, at=at)[0]
+            terms = [[]] + [self.budget_terms(tm, 1, k, at=at)[1] for k in range(1, extra + 1)]
             one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS)
-            held = self._one_row = (tm, extra, one)
+            held = self._one_row[at] = (tm, extra, one)
         return held[2]
 
     def compiled_weights(self):
@@ -277,13 +284,15 @@ class SpecPolicy:
         scale = 1.0 + self.cfg.adaptive.min_gain
         return any(expected / fixed > scale / base for _, expected, fixed, _ in terms)
 
-    def budget_terms(self, tm: TimeModel, n: int, k: int, optimistic: bool = False) -> tuple[float, list[tuple]]:
+    def budget_terms(self, tm: TimeModel, n: int, k: int, optimistic: bool = False,
+                     at: int = 0) -> tuple[float, list[tuple]]:
         """The draft budget's terms that do not depend on the batch's context (SpecStep._budget),
         computed once per time model, batch size and calibration batch: other + f at m = 0, and
         per m the expected tokens, the time without the context term, and the validated tokens
         per sequence. The same floats, added in the same order, as computing them each step.
-        optimistic: every draft verified and accepted, in place of the observed shares."""
-        key = (id(tm), n, k, optimistic)
+        optimistic: every draft verified and accepted, in place of the observed shares; at: the
+        shares of a sequence's record's level (controller/history.py)."""
+        key = (id(tm), n, k, optimistic, at)
         hit = self._budget_cache.get(key)
         if hit is not None and hit[0] is tm:
             return hit[1]
@@ -291,7 +300,7 @@ class SpecPolicy:
             self._budget_cache.clear()
         first, g = self.draft_terms(tm, n)
         f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        (gain, share), o0, o1 = ([1.0] * k,) * 2 if optimistic else self.shares(n), tm.o0, tm.o1
+        (gain, share), o0, o1 = ([1.0] * k,) * 2 if optimistic else self.shares(n, at), tm.o0, tm.o1
         o0 += tm.drafting_extra_ms(n)  # what a step that drafts costs more outside drafting and validation
         terms, expected, verified = [], 1.0, 1.0
         for m in range(1, k + 1):
@@ -334,13 +343,21 @@ class SpecPolicy:
         self._budget_cache[key] = (tm, at)
         return at
 
-    def shares(self, n: int) -> tuple[list[float], list[float]]:
+    def shares(self, n: int, at: int = 0) -> tuple[list[float], list[float]]:
         """The draft yields' (accepted, verified) shares per position for steps of n sequences,
-        as of the last calibration batch."""
-        bucket = batch_bucket(n)
-        held = self._shares.get(bucket)
+        as of the last calibration batch; at: a sequence's record's level (history.shifted_shares)."""
+        key = (batch_bucket(n), at)
+        held = self._shares.get(key)
         if held is None:
-            held = self._shares[bucket] = self.yields.shares(n, self._rates)
+            accepted, verified = self.yields.shares(n, self._rates) if not at else self.shares(n)
+            held = self._shares[key] = (shifted_shares(accepted, verified, at) if at else accepted, verified)
+        return held
+
+    def rates_at(self, at: int) -> list[float]:
+        """The early stop's rates for a draft not yet made (next_rates) at a record's level."""
+        held = self._level_rates.get(at)
+        if held is None:
+            held = self._level_rates[at] = shifted(self.next_rates, at)
         return held
 
     # ------------------------------------------------------------------ calibration
@@ -407,4 +424,7 @@ class SpecPolicy:
         self._shares = {}  # the budget's, per batch-size bucket (shares)
         self._budget_cache = {}  # its terms follow the shares
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
-        self._one_row = None  # batch 1's OneRow holds the rates and the logistic weights: rebuilt on next use
+        self._level_rates = {0: self.next_rates}  # rates_at's, per level of a sequence's record
+        hits, trials = self.calibrator.hits.sum(), self.calibrator.trials.sum()
+        self.pooled_rate = float((hits + 0.5 * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT))  # the records' reference
+        self._one_row = {}  # batch 1's OneRows hold the rates and the logistic weights: rebuilt on next use

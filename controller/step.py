@@ -58,14 +58,15 @@ class SpecStep:
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
                  "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_many",
-                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup")
+                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup", "level")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None,
-                 catchup=None):
+                 catchup=None, level: int = 0):
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, mode, probe, model, oracle
         self.catchup = catchup  # SpecPolicy.begin_step's: the rows' catch-up the budget prices (None: none)
         self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
+        self.level = level  # batch 1: its sequence's record's level (controller/history.py); 0: the pooled rates
         n = len(kv)
         self.kv_total = kv_total  # sum(kv), where begin_step had it
         if n <= SMALL:  # small batches: Python ints
@@ -139,7 +140,7 @@ class SpecStep:
         if total is None:
             total = sum(self.kv_list) if self.kv_list is not None else self.kv.sum()
         kv_ms = tm.b2 * float(total)
-        base, terms = policy.budget_terms(tm, n, k)
+        base, terms = policy.budget_terms(tm, n, k, at=self.level)
         scale = 1.0 + policy.cfg.adaptive.min_gain
         best_m = _best_budget(base, terms, kv_ms, scale)
         if best_m and self.catchup is not None:
@@ -174,7 +175,7 @@ class SpecStep:
                                         self._draft_ms(j), self._draft_ms(j + 1), self.policy.next_rates[j],
                                         self.max_keep, self.policy.compiled)
         return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
-                              self._draft_ms(j + 1), self.policy.next_rates[j], self.max_keep_list)
+                              self._draft_ms(j + 1), self.policy.rates_at(self.level)[j], self.max_keep_list)
 
     def early_stop(self, top_prob: np.ndarray, margin: np.ndarray, tokens):
         """The early stop over the draft loop's (budget, n) buffers, which it fills a row per

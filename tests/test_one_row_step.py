@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from controller import history
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.one_row_step import OneRowStep
 from controller.policy import SpecPolicy
@@ -14,9 +15,11 @@ PAYS = dict(b0=5.0, b1=0.1, b2=2e-5, d0=0.05, d1=0.0, o0=0.2, o1=0.01)  # drafti
 COSTLY = dict(b0=1.0, b1=0.5, d0=5.0, d1=0.0)  # it does not: the budget stands down, probes still draft
 
 
-def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k: int, top, margin, hits):
-    """One adaptive batch-1 step in the runner's order; what it decided."""
-    step = policy.begin_step("adaptive", [kv], [cap], version, k)
+def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k: int, top, margin, hits,
+           record=None):
+    """One adaptive batch-1 step in the runner's order; what it decided (and, last, the drafts
+    it verified and accepted)."""
+    step = policy.begin_step("adaptive", [kv], [cap], version, k, record=record)
     budget = step.budget
     answers, m = [], 0
     if budget:
@@ -34,9 +37,10 @@ def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k:
         accepted = [int(np.argmin(np.append(hits[:keep[0]], False)))]
         policy.end_step(step, buf_top[:m].T, buf_margin[:m].T, keep, accepted)
     else:
-        keep = [0]
+        keep, accepted = [0], [0]
         policy.end_plain_step(step)
-    return (type(step).__name__, budget, step.best_m, step.probe, step.rows, answers, keep, step.rule_keep)
+    return (type(step).__name__, budget, step.best_m, step.probe, step.rows, answers, keep, step.rule_keep,
+            step.level, (keep[0], accepted[0]))
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -45,7 +49,8 @@ def test_one_row_steps_decide_as_the_general_step(ops, compiled):
     in the other, whose SpecSteps decide in decide_small and worth_drafting): the same budgets,
     early-stop answers, keep sets and rule choices every step, through a cold start's probes,
     plain probes, exploration, caps below k and, where drafting stops paying, stand-down
-    probes; and the two policies' calibration stays the same."""
+    probes, with the sequence's record (controller/history.py) at levels either side of 0;
+    and the two policies' calibration stays the same."""
     cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True))
     fast, slow = (SpecPolicy(cfg, compiled=ops if compiled else None) for _ in range(2))
     slow.one_row_steps = False
@@ -53,23 +58,26 @@ def test_one_row_steps_decide_as_the_general_step(ops, compiled):
         for version, terms in ((1, PAYS), (2, COSTLY), (3, PAYS)):
             policy.install(TimeModel(version=version, **terms))
     rng = np.random.default_rng(7)
-    seen = []
+    seen, record = [], (0.0, 0.0)
     for s in range(500):
         version = 1 if s < 200 else 2 if s < 320 else 3
         kv, cap = 100 + 3 * s, int(rng.choice([7, 7, 7, 5, 2, 0]))
         top = rng.beta(3.0, 1.5, 7)[:, None]
         margin = top * rng.uniform(0.2, 1.0, (7, 1))
-        hits = rng.random(7) < top[:, 0]
-        got = [_drive(p, s, version, kv, cap, 7, top, margin, hits) for p in (fast, slow)]
+        hits = rng.random(7) < (top[:, 0] if s % 100 < 50 else top[:, 0] ** 3)  # good stretches, bad ones
+        got = [_drive(p, s, version, kv, cap, 7, top, margin, hits, record) for p in (fast, slow)]
         assert got[0][0] == "OneRowStep" and got[1][0] == "SpecStep"
         assert got[0][1:] == got[1][1:], (s, got)
         seen.append(got[0])
+        if got[0][-1][0]:
+            record = history.record(*record, *got[0][-1])
     assert fast.logistic.weights == slow.logistic.weights and fast.next_rates == slow.next_rates
     probes = [g for g in seen if g[3]]
     assert len(probes) > 20 and any(g[4] == [0] for g in probes)  # probes, stand-down ones among them
     assert any(not g[3] and g[1] == 0 and g[2] > 0 for g in seen)  # a plain probe (drafting paid)
     assert any(False in g[5] for g in seen) and any(True in g[5] for g in seen)  # both early-stop answers
     assert any(g[7] is not None and g[6][0] > g[7][0] for g in seen)  # exploration verified past the rule
+    assert min(g[8] for g in seen) < 0 < max(g[8] for g in seen)  # records below and above the pooled rate
 
 
 def test_a_step_of_one_sequence_is_a_one_row_step_only_on_the_logistic_estimate():

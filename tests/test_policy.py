@@ -386,15 +386,16 @@ def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it()
     assert verified.count(3) == 2
 
 
-def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k: int) -> int:
-    """The draft budget's argmax, every term computed afresh."""
-    return _budget_at(policy, tm, len(kv), k, tm.b2 * float(kv.sum()))
+def _budget_by_the_formula(policy: SpecPolicy, tm: TimeModel, kv: np.ndarray, k: int, at: int = 0) -> int:
+    """The draft budget's argmax, every term computed afresh (at: a batch-1 record's level)."""
+    return _budget_at(policy, tm, len(kv), k, tm.b2 * float(kv.sum()), at=at)
 
 
-def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float, per_token: float = 0.0) -> int:
+def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float, per_token: float = 0.0,
+               at: int = 0) -> int:
     """The same for n sequences whose context costs kv_ms; per_token: ms more each token the step
     emits a row costs where it drafts (its rows' catch-up, controller/catchup.py)."""
-    gain, share = policy.shares(n)
+    gain, share = policy.shares(n, at)
     g = tm.draft_step_ms(n)
     f = tm.q_ms_at(n * np.arange(1, k + 2)).tolist()
     best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
@@ -416,7 +417,7 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
     batch; each step's answer is still the formula's, over many models, rates, contexts and
     caps. Batch 1 asks its OneRow (the Python one, and the compiled one where the kernels load)."""
     ops = request.getfixturevalue("ops") if compiled else None
-    rng = np.random.default_rng(0)
+    rng, levels = np.random.default_rng(0), set()
     for trial in range(60):
         policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True)),
                             compiled=ops)
@@ -435,13 +436,19 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
                 kv = rng.integers(10, 2000, n)
                 step = policy.begin_step("adaptive", kv, np.full(n, k), 1, k)
                 assert step.best_m == _budget_by_the_formula(policy, tm, kv, k), (trial, n, k)
+            if n == 1:  # a sequence's record: its level's shares (controller/history.py)
+                for record in ((12.0, 12.0), (0.0, 9.0), (3.0, 6.0)):
+                    step = policy.begin_step("adaptive", kv, np.full(n, 7), 1, 7, record=record)
+                    assert step.best_m == _budget_by_the_formula(policy, tm, kv, 7, step.level), (trial, record)
+                    levels.add(step.level)
         _teach(policy, rng.uniform(0.3, 0.95), k=7)  # new rates: the terms follow them
         for n in (1, 3, 8, 40):
             kv = rng.integers(10, 2000, n)
             assert policy.begin_step("adaptive", kv, np.full(n, 7), 1, 7).best_m == \
                 _budget_by_the_formula(policy, tm, kv, 7), (trial, n)
+    assert min(levels) < 0 < max(levels)
     if compiled:
-        assert type(policy._one_row[2]).__module__ == "adaspec_cpu_ops"
+        assert type(policy._one_row[0][2]).__module__ == "adaspec_cpu_ops"
 
 
 def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop():
@@ -574,16 +581,16 @@ def test_a_calibration_batch_of_steps_that_drafted_nothing_keeps_what_the_rates_
     policy.probes.hold()  # no probe
     policy.begin_step("adaptive", [100], [4], 1, 4)
     policy.begin_step("adaptive", [100] * 8, [4] * 8, 1, 4)
-    one, terms = policy._one_row, dict(policy._budget_cache)
+    one, terms = policy._one_row[0], dict(policy._budget_cache)
     assert one is not None and terms
     from controller.policy import OBSERVE_MAX
     for _ in range(OBSERVE_MAX + 44):  # past a calibration batch
         step = policy.begin_step("static", [100], [0], 1, 0)
         policy.end_step(step, np.zeros((1, 0)), np.zeros((1, 0)), [0], [0])
-    assert policy._observed == 44 and policy._one_row is one and policy._budget_cache == terms
+    assert policy._observed == 44 and policy._one_row[0] is one and policy._budget_cache == terms
     _teach(policy, 0.3)
     policy._flush()
-    assert policy._one_row is None and policy._budget_cache == {}
+    assert policy._one_row == {} and policy._budget_cache == {}
 
 
 def test_oracle_steps_teach_the_estimators_nothing():

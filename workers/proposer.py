@@ -39,6 +39,9 @@ class SeqState:
     hidden_start: int = 0
     hidden_step: int = 0
     hidden_head: torch.Tensor | None = None
+    # its draft record (controller/history.py): accepted drafts and trials, older outcomes weighing less
+    hits: float = 0.0
+    trials: float = 0.0
 
 
 @dataclass

@@ -15,6 +15,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from controller import history
 from controller.catchup import switch_cost
 from controller.policy import SpecPolicy
 from controller.yields import above
@@ -145,7 +146,8 @@ class ModelRunner:
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
         step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
-                                      _catchup(seqs, plan, k) if k and plan.mode == "adaptive" else None)
+                                      _catchup(seqs, plan, k) if k and plan.mode == "adaptive" else None,
+                                      (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 else None)
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
@@ -246,6 +248,8 @@ class ModelRunner:
             steps = draft.steps_of(i) if draft.steps else 0
             if commit is not None:
                 commit(s, a, steps)
+            if verified > 1:  # it verified drafts: its record (lens: verified drafts + 1)
+                s.hits, s.trials = history.record(s.hits, s.trials, verified - 1, a)
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
         if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
             ids = [p.seq_id for p in plan.seqs]
