@@ -10,7 +10,11 @@ far (this module's rule) made about 3.5% more tokens per ms than the best one de
 
 The record is the sequence's accepted drafts (hits) and its drafts verified up to the first
 rejection (trials, the conditional trials the rates count), each outcome weighing
-HISTORY_DECAY less a step later. Its rate, shrunk toward the pooled one by HISTORY_WEIGHT
+HISTORY_DECAY less each later step of the sequence, whether it drafted or not (`fade`): a
+record that stands its sequence down gets no new outcomes, and without the fade a bad
+stretch of six or seven steps had kept a sequence plain to its end (in one process, a request
+alone after a stretch at batch 2: level -3, 160 steps without a draft but the probes').
+Faded, it drifts back to the pooled rates within about 25 steps and the sequence drafts again. Its rate, shrunk toward the pooled one by HISTORY_WEIGHT
 pseudo-trials, shifts every position's rate by the same amount in logits, rounded to a
 LEVEL_STEP grid of at most LEVELS steps either way: a step's rates, budget terms and batch-1
 OneRow are then those of its level, each computed once per calibration batch
@@ -25,9 +29,10 @@ from __future__ import annotations
 import math
 
 HISTORY_WEIGHT = 8.0  # pseudo-trials at the pooled rate a record starts from
-HISTORY_DECAY = 0.9  # an outcome weighs this much less each later step the sequence verifies drafts
+HISTORY_DECAY = 0.9  # an outcome weighs this much less each later step of the sequence
 LEVEL_STEP = 0.5  # the shift's resolution (logits) ...
 LEVELS = 4  # ... and its bound in steps either way (+-2 logits)
+EMPTY = 0.01  # a record of fewer trials is dropped (fade)
 EDGE = 1e-6  # rates are held inside (EDGE, 1 - EDGE) before their logits are taken
 
 
@@ -35,6 +40,14 @@ def record(hits: float, trials: float, verified: int, accepted: int) -> tuple[fl
     """A record (hits, trials) after a step that verified `verified` drafts of the sequence,
     `accepted` of them: every draft up to and including the first rejected one was a trial."""
     return hits * HISTORY_DECAY + accepted, trials * HISTORY_DECAY + min(verified, accepted + 1)
+
+
+def fade(hits: float, trials: float) -> tuple[float, float]:
+    """A record after a step that verified none of the sequence's drafts (below EMPTY trials,
+    an empty one)."""
+    if trials * HISTORY_DECAY < EMPTY:
+        return 0.0, 0.0
+    return hits * HISTORY_DECAY, trials * HISTORY_DECAY
 
 
 def level(hits: float, trials: float, pooled: float) -> int:

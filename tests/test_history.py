@@ -21,6 +21,23 @@ def test_a_record_counts_the_trials_up_to_the_first_rejection_and_forgets_slowly
     assert hits == pytest.approx(history.HISTORY_DECAY) and trials == pytest.approx(2 * history.HISTORY_DECAY + 1)
 
 
+def test_a_record_fades_while_its_sequence_verifies_nothing_until_it_is_level_with_the_pool():
+    """A bad stretch stands a sequence down, and standing down brings no new outcomes: the
+    record fades all the same, back to level 0 (the sequence drafts again), then to nothing."""
+    bad = (0.0, 0.0)
+    for _ in range(7):
+        bad = record(*bad, 3, 0)
+    assert level(*bad, 0.8) <= -2
+    faded, steps = bad, 0
+    while level(*faded, 0.8) < 0:
+        faded, steps = history.fade(*faded), steps + 1
+    assert 10 <= steps <= 40
+    assert history.fade(*bad) == pytest.approx((0.0, bad[1] * history.HISTORY_DECAY))
+    for _ in range(100):
+        faded = history.fade(*faded)
+    assert faded == (0.0, 0.0)
+
+
 def test_the_level_follows_the_record_against_the_pooled_rate_within_its_bounds():
     assert level(0.0, 0.0, 0.7) == 0  # nothing seen
     good = bad = typical = (0.0, 0.0)
@@ -92,7 +109,8 @@ def test_the_early_stop_expects_a_good_records_next_draft_more_often():
 
 def test_the_runner_keeps_each_sequences_record_and_hands_it_to_the_next_step():
     """Every step of one greedy sequence: the record begin_step was given is the one its earlier
-    steps' verified and accepted drafts make (history.record, from nothing)."""
+    steps' verified and accepted drafts make (history.record, from nothing), faded by each step
+    that verified none (history.fade: here once drafting stops paying)."""
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
                                       "speculative.adaptive.profile_on_start=false",
                                       "speculative.num_speculative_tokens=4"))
@@ -109,14 +127,19 @@ def test_the_runner_keeps_each_sequences_record_and_hands_it_to_the_next_step():
         engine.add_request(list(range(5, 45)), greedy(40))
         engine.step()  # the prefill
         (seq,) = engine.seqs.values()
-        expected, steps = (0.0, 0.0), 0
+        expected, steps, faded = (0.0, 0.0), 0, 0
         while engine.has_work():
+            if steps == 6:  # from here drafting cannot pay: plain steps, and the record fades
+                engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))
             verified, accepted = seq.verified, seq.accepted
             engine.step()
             assert given[-1] == pytest.approx(expected)
             if seq.verified > verified:
                 expected = record(*expected, seq.verified - verified, seq.accepted - accepted)
                 steps += 1
+            elif expected[1]:
+                expected = history.fade(*expected)
+                faded += 1
     finally:
         engine.shutdown()
-    assert steps >= 3 and expected[1] > 0
+    assert steps >= 6 and faded >= 10 and expected[1] > 0

@@ -250,6 +250,8 @@ class ModelRunner:
                 commit(s, a, steps)
             if verified > 1:  # it verified drafts: its record (lens: verified drafts + 1)
                 s.hits, s.trials = history.record(s.hits, s.trials, verified - 1, a)
+            elif s.trials:  # none: what it holds fades all the same (controller/history.py)
+                s.hits, s.trials = history.fade(s.hits, s.trials)
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
         if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
             ids = [p.seq_id for p in plan.seqs]
