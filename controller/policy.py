@@ -20,7 +20,7 @@ import numpy as np
 from controller.config import SpeculativeConfig
 from controller.decision import draft_units, f_table, rest_units, step_costs
 from controller.estimators import PRIOR_WEIGHT, Calibrator, LogisticCalibrator
-from controller.history import level, shifted, shifted_shares
+from controller.history import bounds, level_in, shifted, shifted_shares
 from controller.one_row import new_one_row
 from controller.one_row_step import OneRowStep
 from controller.pending import every, joined, stacked
@@ -146,7 +146,7 @@ class SpecPolicy:
             probe = self.probes.due(n, cold=learning)
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
-            at = level(record[0], record[1], self.pooled_rate) if n == 1 and record and self.seq_history else 0
+            at = level_in(*record, self.pooled_rate, self._bounds) if n == 1 and record and self.seq_history else 0
             if n == 1 and k and self.one_row_steps:
                 if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
                     return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning, level=at)
@@ -427,4 +427,5 @@ class SpecPolicy:
         self._level_rates = {0: self.next_rates}  # rates_at's, per level of a sequence's record
         hits, trials = self.calibrator.hits.sum(), self.calibrator.trials.sum()
         self.pooled_rate = float((hits + 0.5 * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT))  # the records' reference
+        self._bounds = bounds(self.pooled_rate)  # where a record's level steps up (history.level_in)
         self._one_row = {}  # batch 1's OneRows hold the rates and the logistic weights: rebuilt on next use

@@ -143,3 +143,27 @@ def test_the_runner_keeps_each_sequences_record_and_hands_it_to_the_next_step():
     finally:
         engine.shutdown()
     assert steps >= 6 and faded >= 10 and expected[1] > 0
+
+
+def test_a_level_found_by_bisection_is_the_rounded_logit_shift():
+    """level_in places the record's shrunk rate among bounds computed once per calibration
+    batch: the same level as rounding its logit distance from the pooled rate, bounded."""
+    import math
+    import random
+
+    def by_logits(hits, trials, pooled):
+        if trials <= 0:
+            return 0
+        own = (hits + history.HISTORY_WEIGHT * pooled) / (trials + history.HISTORY_WEIGHT)
+        shift = (math.log(own / (1 - own)) - math.log(pooled / (1 - pooled))) / history.LEVEL_STEP
+        return max(-LEVELS, min(LEVELS, round(shift)))
+
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(20000):
+        pooled, trials = rng.uniform(0.05, 0.95), rng.uniform(0.0, 12.0)
+        hits = rng.uniform(0.0, trials)
+        got = level(hits, trials, pooled)
+        assert got == by_logits(hits, trials, pooled), (hits, trials, pooled)
+        seen.add(got)
+    assert seen == set(range(-LEVELS, LEVELS + 1))
