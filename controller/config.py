@@ -16,8 +16,9 @@ class AdaptiveConfig:
     estimator: str = "top_prob_logistic"  # one of ESTIMATORS (controller/estimators.py)
     early_stop: bool = True  # after each draft step, draft the next only if it pays its draft step
     # batch 1: the sequence's own acceptance record shifts the rates its budget and early stop expect
-    # (controller/history.py)
-    seq_history: bool = True
+    # (controller/history.py). Off: offline at batch 1 adaptive-3 / 7 read 0.998-1.003 of static-3 with it
+    # and 1.004-1.019 without, its controller 0.050-0.054 ms a step against 0.047-0.048 (alternating runs)
+    seq_history: bool = False
     # "linear" (xLLM's) or "table": monotone in validated tokens and batch size; the table predicts held-out
     # steps a little better (MAPE 16.1-16.3% vs 16.8-17.3%) but adaptive did not decide better with it
     time_model: str = "linear"

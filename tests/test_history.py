@@ -96,7 +96,8 @@ def test_a_good_record_drafts_deeper_and_a_bad_one_shallower_at_batch_1():
 
 
 def test_the_early_stop_expects_a_good_records_next_draft_more_often():
-    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig(enabled=True)))
+    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4,
+                                          adaptive=AdaptiveConfig(enabled=True, seq_history=True)))
     policy.one_row_steps = False  # a SpecStep: its keep_drafting reads the level's rates
     policy.install(TimeModel(version=1, b0=1.0, b1=0.01, d0=0.2, d1=0.0))
     policy.probes.hold()
@@ -112,6 +113,7 @@ def test_the_runner_keeps_each_sequences_record_and_hands_it_to_the_next_step():
     steps' verified and accepted drafts make (history.record, from nothing), faded by each step
     that verified none (history.fade: here once drafting stops paying)."""
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
+                                      "speculative.adaptive.seq_history=true",
                                       "speculative.adaptive.profile_on_start=false",
                                       "speculative.num_speculative_tokens=4"))
     policy = engine.workers.worker.runner.policy
@@ -167,3 +169,19 @@ def test_a_level_found_by_bisection_is_the_rounded_logit_shift():
         assert got == by_logits(hits, trials, pooled), (hits, trials, pooled)
         seen.add(got)
     assert seen == set(range(-LEVELS, LEVELS + 1))
+
+
+def test_without_seq_history_the_runner_keeps_no_record():
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
+                                      "speculative.adaptive.profile_on_start=false",
+                                      "speculative.num_speculative_tokens=4"))
+    try:
+        engine.time_models.install(TimeModel(b0=5.0, b1=0.1, b2=0.0, d0=0.05, d1=0.0))  # drafting pays
+        engine.add_request(list(range(5, 45)), greedy(24))
+        engine.step()
+        (state,) = engine.workers.worker.runner.seqs.values()
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.shutdown()
+    assert engine.stats.verified > 0 and state.hits == state.trials == 0.0

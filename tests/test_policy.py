@@ -419,8 +419,8 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
     ops = request.getfixturevalue("ops") if compiled else None
     rng, levels = np.random.default_rng(0), set()
     for trial in range(60):
-        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True)),
-                            compiled=ops)
+        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7,
+                                              adaptive=AdaptiveConfig(enabled=True, seq_history=True)), compiled=ops)
         _teach(policy, rng.uniform(0.3, 0.95), k=7)
         policy.probes.hold()  # no probe
         tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(0, 1e-3),

@@ -242,16 +242,16 @@ class ModelRunner:
         stats.verified_per_position = above(keep, draft.steps)
         outputs = []
         commit = self.proposer.commit if self.proposer is not None and draft.steps else None  # drafted nothing: no-op
+        records = self.policy.seq_history  # each sequence's draft record, where the policy reads them
         for i, (s, p, a, new, verified) in enumerate(zip(seqs, plan.seqs, accepted, emitted, lens)):
             s.tokens.extend(new)
             s.num_computed += a + 1
             steps = draft.steps_of(i) if draft.steps else 0
             if commit is not None:
                 commit(s, a, steps)
-            if verified > 1:  # it verified drafts: its record (lens: verified drafts + 1)
-                s.hits, s.trials = history.record(s.hits, s.trials, verified - 1, a)
-            elif s.trials:  # none: what it holds fades all the same (controller/history.py)
-                s.hits, s.trials = history.fade(s.hits, s.trials)
+            if records:  # lens: verified drafts + 1; none verified, the record fades all the same
+                s.hits, s.trials = (history.record(s.hits, s.trials, verified - 1, a) if verified > 1
+                                    else history.fade(s.hits, s.trials) if s.trials else (0.0, 0.0))
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
         if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
             ids = [p.seq_id for p in plan.seqs]
