@@ -14,12 +14,17 @@ HISTORY_DECAY less each later step of the sequence, whether it drafted or not (`
 record that stands its sequence down gets no new outcomes, and without the fade a bad
 stretch of six or seven steps had kept a sequence plain to its end (in one process, a request
 alone after a stretch at batch 2: level -3, 160 steps without a draft but the probes').
-Faded, it drifts back to the pooled rates within about 25 steps and the sequence drafts again. Its rate, shrunk toward the pooled one by HISTORY_WEIGHT
-pseudo-trials, shifts every position's rate by the same amount in logits, rounded to a
-LEVEL_STEP grid of at most LEVELS steps either way: a step's rates, budget terms and batch-1
-OneRow are then those of its level, each computed once per calibration batch
-(controller/policy.py). Only batch 1 reads it: a larger batch's budget and early stop are
-one decision for all its rows.
+Faded, it drifts back to the pooled rates within about 25 steps and the sequence drafts
+again. Its rate, shrunk toward the pooled one by HISTORY_WEIGHT pseudo-trials, shifts every
+position's rate by the same amount in logits, rounded to a LEVEL_STEP grid of at most
+LEVELS steps either way: a step's rates, budget terms and batch-1 OneRow are then those of
+its level, each computed once per calibration batch (controller/policy.py). Only batch 1
+reads it: a larger batch's budget and early stop are one decision for all its rows.
+
+Off by default (`speculative.adaptive.seq_history`): offline at batch 1, in runs with and
+without it in turn, adaptive / static-3 read 0.993-1.003 with it and 1.004-1.019 without,
+and its controller took 0.050-0.054 ms a step against 0.047-0.048 (DESIGN.md section 3).
+When it is off the runner keeps no record and hands begin_step none.
 
 Every rank keeps the same record (the same outcomes, the same float operations in the same
 order), so every rank finds the same level.

@@ -171,10 +171,18 @@ def test_a_level_found_by_bisection_is_the_rounded_logit_shift():
     assert seen == set(range(-LEVELS, LEVELS + 1))
 
 
-def test_without_seq_history_the_runner_keeps_no_record():
+def test_without_seq_history_the_runner_keeps_and_hands_on_no_record():
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
                                       "speculative.adaptive.profile_on_start=false",
                                       "speculative.num_speculative_tokens=4"))
+    policy = engine.workers.worker.runner.policy
+    given, begin = [], policy.begin_step
+
+    def spy(*args, **kwargs):
+        given.append(args[7] if len(args) > 7 else kwargs.get("record"))
+        return begin(*args, **kwargs)
+
+    policy.begin_step = spy
     try:
         engine.time_models.install(TimeModel(b0=5.0, b1=0.1, b2=0.0, d0=0.05, d1=0.0))  # drafting pays
         engine.add_request(list(range(5, 45)), greedy(24))
@@ -185,3 +193,4 @@ def test_without_seq_history_the_runner_keeps_no_record():
     finally:
         engine.shutdown()
     assert engine.stats.verified > 0 and state.hits == state.trials == 0.0
+    assert given and all(record is None for record in given)  # and hands begin_step none

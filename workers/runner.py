@@ -147,7 +147,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
                                       _catchup(seqs, plan, k) if k and plan.mode == "adaptive" else None,
-                                      (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 else None)
+                                      (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 and self.policy.seq_history
+                                      else None)
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
