@@ -108,6 +108,18 @@ def test_the_early_stop_expects_a_good_records_next_draft_more_often():
     assert step.level > 0 and policy.rates_at(step.level)[1] > policy.next_rates[1]
 
 
+def _records_given(policy) -> list:
+    """The record each later begin_step of `policy` is handed, in order."""
+    given, begin = [], policy.begin_step
+
+    def spy(*args, **kwargs):
+        given.append(args[7] if len(args) > 7 else kwargs.get("record"))
+        return begin(*args, **kwargs)
+
+    policy.begin_step = spy
+    return given
+
+
 def test_the_runner_keeps_each_sequences_record_and_hands_it_to_the_next_step():
     """Every step of one greedy sequence: the record begin_step was given is the one its earlier
     steps' verified and accepted drafts make (history.record, from nothing), faded by each step
@@ -116,14 +128,7 @@ def test_the_runner_keeps_each_sequences_record_and_hands_it_to_the_next_step():
                                       "speculative.adaptive.seq_history=true",
                                       "speculative.adaptive.profile_on_start=false",
                                       "speculative.num_speculative_tokens=4"))
-    policy = engine.workers.worker.runner.policy
-    given, begin = [], policy.begin_step
-
-    def spy(*args, **kwargs):
-        given.append(args[7] if len(args) > 7 else kwargs.get("record"))
-        return begin(*args, **kwargs)
-
-    policy.begin_step = spy
+    given = _records_given(engine.workers.worker.runner.policy)
     try:
         engine.time_models.install(TimeModel(b0=5.0, b1=0.1, b2=0.0, d0=0.05, d1=0.0))  # drafting pays
         engine.add_request(list(range(5, 45)), greedy(40))
@@ -175,14 +180,7 @@ def test_without_seq_history_the_runner_keeps_and_hands_on_no_record():
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
                                       "speculative.adaptive.profile_on_start=false",
                                       "speculative.num_speculative_tokens=4"))
-    policy = engine.workers.worker.runner.policy
-    given, begin = [], policy.begin_step
-
-    def spy(*args, **kwargs):
-        given.append(args[7] if len(args) > 7 else kwargs.get("record"))
-        return begin(*args, **kwargs)
-
-    policy.begin_step = spy
+    given = _records_given(engine.workers.worker.runner.policy)
     try:
         engine.time_models.install(TimeModel(b0=5.0, b1=0.1, b2=0.0, d0=0.05, d1=0.0))  # drafting pays
         engine.add_request(list(range(5, 45)), greedy(24))
