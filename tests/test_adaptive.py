@@ -184,10 +184,11 @@ def test_registry_leaves_one_offs_out_of_a_steps_rest_and_draft(sharegpt_prompts
 
 def test_a_trace_line_says_how_long_the_engine_waited_since_its_last_step(tmp_path):
     """gap_ms: from the engine's previous step's end to this step's start (what a server's loop
-    spends between steps, or its idle wait)."""
+    spends between steps, or its idle wait); t: when the step started."""
     import json
     import time
 
+    began = time.time()
     trace = tmp_path / "steps.jsonl"
     engine = local_engine(tiny_config("parallel.tp_size=1", f"engine.trace_path={trace}"))
     try:
@@ -201,6 +202,12 @@ def test_a_trace_line_says_how_long_the_engine_waited_since_its_last_step(tmp_pa
             engine.step()
     finally:
         engine.shutdown()
-    gaps = [json.loads(line)["gap_ms"] for line in trace.read_text().splitlines()]
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    gaps = [line["gap_ms"] for line in lines]
     assert len(gaps) == len(waited) >= 4
     assert all((gap >= 30.0) == slept for gap, slept in zip(gaps, waited)), gaps
+    # t: each step's start on the wall clock; from one step's start to the next, its step and the gap after it
+    starts = [line["t"] for line in lines]
+    assert abs(starts[0] - began) < 5.0
+    for a, b, line in zip(starts, starts[1:], lines[1:]):
+        assert (b - a) * 1e3 >= line["gap_ms"]

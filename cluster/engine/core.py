@@ -137,7 +137,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.time()
         gap_ms, self._step_end = (start - self._step_end) * 1e3 if self._step_end else 0.0, 0.0
         scheduled = self.scheduler.schedule()
         if scheduled is None:
@@ -192,7 +192,7 @@ class Engine:
             self.stats.decode_seq_ms += len(updates) * step_ms
             self.stats.decode_tokens += emitted
             if plan.trace:
-                self.tracer.write(plan, st, step_ms, gap_ms)
+                self.tracer.write(plan, st, step_ms, gap_ms, started)
         self._step_end = time.perf_counter()
         return updates
 

@@ -22,6 +22,8 @@ A line (n sequences in the step, m draft positions drafted, m <= k):
     step_ms                the step's wall time on the driver
     gap_ms                 from the end of the engine's previous step to this one's start (a server
                            loop's work between steps, or its idle wait; 0 for the first)
+    t                      the step's start, seconds since the epoch (time.time(): lines up a
+                           server's steps with its clients' requests, and tells idle time apart)
     seq[n]                 the engine's id of each sequence (stable over its steps)
     kv[n]                  context length of each sequence before the step
     num_spec[n]            drafts each sequence could verify
@@ -51,7 +53,8 @@ class TraceWriter:
         self.label = label
         self._file = self.path.open("a", buffering=1)  # line-buffered: a killed server loses nothing
 
-    def write(self, plan: StepPlan, stats: StepStats, step_ms: float, gap_ms: float = 0.0) -> None:
+    def write(self, plan: StepPlan, stats: StepStats, step_ms: float, gap_ms: float = 0.0,
+              started: float = 0.0) -> None:
         t = stats.trace
         if t is None:
             return
@@ -62,7 +65,7 @@ class TraceWriter:
                 "control_ms": round(stats.control_ms, 4),
                 "predicted_validate_ms": round(stats.predicted_validate_ms, 4),
                 "predicted_draft_ms": round(stats.predicted_draft_ms, 4), "step_ms": round(step_ms, 4),
-                "gap_ms": round(gap_ms, 4),
+                "gap_ms": round(gap_ms, 4), "t": round(started, 4),
                 "seq": [p.seq_id for p in plan.seqs], "kv": t.kv, "num_spec": t.num_spec, "top_prob": t.top_prob,
                 "margin": t.margin,
                 "entropy": t.entropy, "keep": t.keep, "accepted": t.accepted}
