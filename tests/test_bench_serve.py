@@ -235,6 +235,43 @@ def test_a_rate_round_takes_each_arm_on_its_servers_in_turn(monkeypatch):
     assert len(every) == 24 and all("replica" in p for p in every)
 
 
+def test_each_rate_round_has_its_own_request_order_and_arrivals_the_same_for_every_arm(monkeypatch):
+    """round_schedule: within a round every arm gets the same requests in the same order at the
+    same arrival seed; rounds differ (else the same request comes last in every round, and at low
+    rates its lone decoding decides every round); texts come back in the workload's order."""
+    import random
+    from types import SimpleNamespace
+
+    import cluster.bench.serving as serving
+    from cluster.bench.serving import Target, rate_sweep
+
+    calls = []
+
+    def fake(target, specs, rate, seed, fraction=None, api_key=None):
+        calls.append((target.arm, fraction, [s.prompt for s in specs], seed))
+        return {"arm": target.arm, "rate": rate, "rate_fraction": fraction, "completed": len(specs), "errors": 0,
+                "error_examples": [], "output_tok_per_s": 10.0, "request_per_s": 1.0, "wall_s": 1.0,
+                "ttft_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
+                "itl_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "texts": [f"reply to {s.prompt}" for s in specs]}
+
+    monkeypatch.setattr(serving, "measure", fake)
+    specs = [SimpleNamespace(prompt=f"p{i}") for i in range(12)]
+    targets = [Target(arm, f"u/{arm}", None) for arm in ("nospec", "static-3", "adaptive-7")]
+    bench = SimpleNamespace(serve_rates=[0.1, 0.5], serve_rate_rounds=3, serve_min_rate_s=0.0, seed=0)
+    _, every = rate_sweep(bench, targets, specs, 10.0, random.Random(0))
+    rounds = [calls[3 * r:3 * r + 3] for r in range(6)]
+    for got in rounds:  # one round: every arm on the same order and seed
+        assert len({(tuple(order), seed) for _, _, order, seed in got}) == 1
+        assert sorted(got[0][2]) == sorted(s.prompt for s in specs)
+    schedules = [(tuple(got[0][2]), got[0][3]) for got in rounds]
+    assert len({order for order, _ in schedules}) == 6 and len({seed for _, seed in schedules}) == 6
+    assert len({order[-1] for order, _ in schedules}) > 1  # not the same request last every time
+    assert all(p["texts"] == [f"reply to p{i}" for i in range(12)] for p in every)
+    calls.clear()
+    rate_sweep(bench, targets, specs, 10.0, random.Random(0))  # seeded: the same schedules again
+    assert [(tuple(got[0][2]), got[0][3]) for got in (calls[3 * r:3 * r + 3] for r in range(6))] == schedules
+
+
 def test_a_rate_takes_rounds_until_every_arm_spent_serve_min_rate_s_there(monkeypatch):
     """bench.serve_min_rate_s: past bench.serve_rate_rounds, a rate takes more rounds until its
     slowest-to-fill arm has spent that long there (a round at rate 1.0 lasts 0.5 s, at 0.5

@@ -11,13 +11,13 @@ configuration, one application per arm under its own route prefix (bench.serve_r
 of them per arm), all started first;
 with bench.vllm_python set, also vLLM's OpenAI server on the same checkpoint
 (bench.serve_vllm_arms). At every rate the arms take turns in bench.serve_rate_rounds
-rounds, in an order shuffled (seeded) round by round, on the same requests and the same
-arrival times, and more rounds until every arm spent bench.serve_min_rate_s at the rate
-(a point: the medians over rounds; `rate_sweep`), round j on an arm's
-server j % bench.serve_replicas; every arm's processes,
-ours and vLLM's alike, are stopped (SIGSTOP) while the others are measured, and after a
-vLLM arm the next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`). `--url` measures one
-running OpenAI-compatible server instead. Writes serve.json, serve.md and serve.png.
+rounds, in an order shuffled (seeded) round by round, each round on the same requests in an
+order and at arrival times of its own, the same for every arm (`round_schedule`), and more
+rounds until every arm spent bench.serve_min_rate_s at the rate (a point: the medians over
+rounds; `rate_sweep`), round j on an arm's server j % bench.serve_replicas; every arm's
+processes, ours and vLLM's alike, are stopped (SIGSTOP) while the others are measured, and
+after a vLLM arm the next waits, untimed, until vLLM's pollers sleep (`vllm_peer.SETTLE_S`).
+`--url` measures one running OpenAI-compatible server instead. Writes serve.json, serve.md and serve.png.
 """
 from __future__ import annotations
 
@@ -279,7 +279,8 @@ def rate_sweep(bench, targets: list[Target], specs: list[RequestSpec], sat_rps: 
                rng: random.Random) -> tuple[list[dict], list[dict]]:
     """The Poisson points: at every rate, bench.serve_rate_rounds rounds, and more until every
     arm has spent bench.serve_min_rate_s there (`more_rounds`), every arm once per round in an
-    order shuffled per round, on the same requests and arrival times; round j takes an arm's
+    order shuffled per round, on the round's order of the requests and arrival times
+    (`round_schedule`, the same for every arm); round j takes an arm's
     server j % (its servers). A point at 75-120% of saturation lasts about 1.2-2 s, and one
     arm's throughput moved by 15-20% from one pass to the next on this machine (the ratio of
     two arms measured side by side, 2-5%): with 4 rounds a rate's median ratio had an interval
@@ -299,10 +300,12 @@ def rate_sweep(bench, targets: list[Target], specs: list[RequestSpec], sat_rps: 
             if j >= bench.serve_rate_rounds:
                 bar.total += len(arms)
                 bar.refresh()
+            order, seed = round_schedule(len(specs), bench.seed, i, j)
+            mine = [specs[o] for o in order]
             for arm in rng.sample(arms, len(arms)):
                 t = servers[arm][j % len(servers[arm])]
-                got[arm].append(dict(measure(t, specs, fraction * sat_rps, bench.seed + i, fraction),
-                                     replica=t.replica))
+                p = measure(t, mine, fraction * sat_rps, seed, fraction)
+                got[arm].append(dict(p, texts=in_order(p["texts"], order), replica=t.replica))
                 time.sleep(t.settle_s)
                 bar.update()
             j += 1
@@ -310,6 +313,24 @@ def rate_sweep(bench, targets: list[Target], specs: list[RequestSpec], sat_rps: 
         every += [p for arm in arms for p in got[arm]]
     bar.close()
     return points, every
+
+
+def round_schedule(n: int, seed: int, rate_index: int, round_index: int) -> tuple[list[int], int]:
+    """Round `round_index` of rate `rate_index`: the order its n requests go out in and its
+    arrival times' seed, the same for every arm. Each round has its own: with one order
+    and one schedule for every round, the same request came last in every round, and at
+    10-25% of saturation, where the last request runs alone, its decoding alone decided
+    the round's wall time, so every round measured that one request's tail again."""
+    rng = random.Random(f"{seed}/{rate_index}/{round_index}")
+    return rng.sample(range(n), n), rng.randrange(2**31)
+
+
+def in_order(texts: list, order: list[int]) -> list:
+    """A round's texts (in its order) back in the workload's order."""
+    out = [None] * len(order)
+    for text, i in zip(texts, order):
+        out[i] = text
+    return out
 
 
 def more_rounds(got: dict[str, list[dict]], done: int, min_s: float) -> bool:
