@@ -272,6 +272,25 @@ def test_each_rate_round_has_its_own_request_order_and_arrivals_the_same_for_eve
     assert [(tuple(got[0][2]), got[0][3]) for got in (calls[3 * r:3 * r + 3] for r in range(6))] == schedules
 
 
+def test_a_server_warms_up_on_the_workload_at_once_then_on_requests_alone(monkeypatch):
+    """warm_up: every request at once (the saturation a server will see), then WARMUP_ALONE of
+    them one at a time, untimed (an adaptive controller leaves its cold start where a request
+    runs alone, not at batch 48)."""
+    from types import SimpleNamespace
+
+    import cluster.bench.serving as serving
+    from cluster.bench.serving import WARMUP_ALONE, Target, warm_up
+
+    calls = []
+    monkeypatch.setattr(serving, "measure", lambda target, specs, rate, seed, *a, **k: calls.append(
+        (target.arm, [s.prompt for s in specs], rate)))
+    specs = [SimpleNamespace(prompt=f"p{i}") for i in range(12)]
+    warm_up(Target("adaptive-7", "u", None), specs, 0)
+    assert calls[0] == ("adaptive-7", [f"p{i}" for i in range(12)], float("inf"))
+    assert calls[1:] == [("adaptive-7", [f"p{i}"], float("inf")) for i in range(WARMUP_ALONE)]
+    assert WARMUP_ALONE >= 2
+
+
 def test_a_rate_takes_rounds_until_every_arm_spent_serve_min_rate_s_there(monkeypatch):
     """bench.serve_min_rate_s: past bench.serve_rate_rounds, a rate takes more rounds until its
     slowest-to-fill arm has spent that long there (a round at rate 1.0 lasts 0.5 s, at 0.5
