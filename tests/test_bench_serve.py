@@ -87,10 +87,16 @@ def test_bench_serve_smoke(ray_session, tmp_path, monkeypatch):
     assert report.startswith("| arm") and "| offline-nospec | 2 |" in report
     assert "| adaptive-3 | 50% |" in report and "| adaptive-3 | 200% |" in report
     assert (tmp_path / "serve.png").stat().st_size > 10_000
-    # every arm of ours runs while it is measured and is stopped while the others are (after the warm-up)
+    # every arm of ours runs while it is measured and is stopped while the others are (after the warm-up:
+    # each server its workload at once, then WARMUP_ALONE of its requests one at a time, warm_up)
+    from cluster.bench.serving import WARMUP_ALONE
+
     urls = {arm: url for url, _ in seen for arm in ARMS if url.endswith(f"/{arm}")}
-    assert len(seen) > 2 * len(ARMS) and set(urls) == set(ARMS)
-    for url, stopped in seen[len(ARMS):]:
+    per_server = 1 + min(WARMUP_ALONE, REQUESTS)
+    warm = len(ARMS) * per_server
+    assert len(seen) > warm + len(ARMS) and set(urls) == set(ARMS)
+    assert [url for url, _ in seen[:warm]] == [urls[arm] for arm in ARMS for _ in range(per_server)]
+    for url, stopped in seen[warm:]:
         assert not any(stopped[arm] for arm in ARMS if urls[arm] == url), url
         assert all(stopped[arm] for arm in ARMS if urls[arm] != url), (url, stopped)
     static = list(read_trace(tmp_path / "trace.static-3.jsonl"))
