@@ -250,9 +250,10 @@ class ModelRunner:
             steps = draft.steps_of(i) if draft.steps else 0
             if commit is not None:
                 commit(s, a, steps)
-            if records:  # lens: verified drafts + 1; none verified, the record fades all the same
-                s.hits, s.trials = (history.record(s.hits, s.trials, verified - 1, a) if verified > 1
-                                    else history.fade(s.hits, s.trials) if s.trials else (0.0, 0.0))
+            if records and verified > 1:  # it verified drafts (lens: verified drafts + 1)
+                s.hits, s.trials = history.record(s.hits, s.trials, verified - 1, a)
+            elif records and s.trials:  # none: what it holds fades all the same
+                s.hits, s.trials = history.fade(s.hits, s.trials)
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
         if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
             ids = [p.seq_id for p in plan.seqs]
