@@ -120,17 +120,23 @@ def _records_given(policy) -> list:
     return given
 
 
+def _drafting_engine(*overrides):
+    """An in-process engine at k = 4 whose time model makes drafting pay, and the records its
+    begin_step is handed (_records_given)."""
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
+                                      "speculative.adaptive.profile_on_start=false",
+                                      "speculative.num_speculative_tokens=4", *overrides))
+    given = _records_given(engine.workers.worker.runner.policy)
+    engine.time_models.install(TimeModel(b0=5.0, b1=0.1, b2=0.0, d0=0.05, d1=0.0))  # drafting pays
+    return engine, given
+
+
 def test_the_runner_keeps_each_sequences_record_and_hands_it_to_the_next_step():
     """Every step of one greedy sequence: the record begin_step was given is the one its earlier
     steps' verified and accepted drafts make (history.record, from nothing), faded by each step
     that verified none (history.fade: here once drafting stops paying)."""
-    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
-                                      "speculative.adaptive.seq_history=true",
-                                      "speculative.adaptive.profile_on_start=false",
-                                      "speculative.num_speculative_tokens=4"))
-    given = _records_given(engine.workers.worker.runner.policy)
+    engine, given = _drafting_engine("speculative.adaptive.seq_history=true")
     try:
-        engine.time_models.install(TimeModel(b0=5.0, b1=0.1, b2=0.0, d0=0.05, d1=0.0))  # drafting pays
         engine.add_request(list(range(5, 45)), greedy(40))
         engine.step()  # the prefill
         (seq,) = engine.seqs.values()
@@ -177,12 +183,8 @@ def test_a_level_found_by_bisection_is_the_rounded_logit_shift():
 
 
 def test_without_seq_history_the_runner_keeps_and_hands_on_no_record():
-    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
-                                      "speculative.adaptive.profile_on_start=false",
-                                      "speculative.num_speculative_tokens=4"))
-    given = _records_given(engine.workers.worker.runner.policy)
+    engine, given = _drafting_engine()
     try:
-        engine.time_models.install(TimeModel(b0=5.0, b1=0.1, b2=0.0, d0=0.05, d1=0.0))  # drafting pays
         engine.add_request(list(range(5, 45)), greedy(24))
         engine.step()
         (state,) = engine.workers.worker.runner.seqs.values()
