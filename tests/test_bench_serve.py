@@ -203,6 +203,15 @@ def test_a_round_runs_its_requests_in_blocks_every_arm_on_each_block_in_turn(mon
                                                                                for p in points)
 
 
+def _fake_point(target, rate, fraction, **fields) -> dict:
+    """What `serving.measure` returns for one pass, for tests that stand in for it: one request
+    completed at 10 tok/s in 1 s, every latency 1 ms, unless `fields` say otherwise."""
+    latency = {"p50": 1.0, "p90": 1.0, "p99": 1.0}
+    return {"arm": target.arm, "rate": rate, "rate_fraction": fraction, "completed": 1, "errors": 0,
+            "error_examples": [], "output_tok_per_s": 10.0, "request_per_s": 1.0, "wall_s": 1.0,
+            "ttft_ms": latency, "tpot_ms": latency, "itl_ms": latency, "texts": ["x"], **fields}
+
+
 def test_a_rate_round_takes_each_arm_on_its_servers_in_turn(monkeypatch):
     """bench.serve_replicas: round j measures an arm on its server j % replicas, every arm
     once per round (a peer with one server on it every round), merged per arm with the
@@ -217,11 +226,7 @@ def test_a_rate_round_takes_each_arm_on_its_servers_in_turn(monkeypatch):
 
     def fake(target, specs, rate, seed, fraction=None, api_key=None):
         calls.append((target.arm, target.replica, fraction))
-        return {"arm": target.arm, "rate": rate, "rate_fraction": fraction, "completed": 1, "errors": 0,
-                "error_examples": [], "output_tok_per_s": 10.0 * (1 + target.replica), "request_per_s": 1.0,
-                "wall_s": 1.0, "ttft_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
-                "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "itl_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
-                "texts": ["x"]}
+        return _fake_point(target, rate, fraction, output_tok_per_s=10.0 * (1 + target.replica))
 
     monkeypatch.setattr(serving, "measure", fake)
     targets = [Target(arm, f"u/{arm}/{r}", None, replica=r) for arm in ("nospec", "adaptive-7") for r in range(3)]
@@ -255,10 +260,7 @@ def test_each_rate_round_has_its_own_request_order_and_arrivals_the_same_for_eve
 
     def fake(target, specs, rate, seed, fraction=None, api_key=None):
         calls.append((target.arm, fraction, [s.prompt for s in specs], seed))
-        return {"arm": target.arm, "rate": rate, "rate_fraction": fraction, "completed": len(specs), "errors": 0,
-                "error_examples": [], "output_tok_per_s": 10.0, "request_per_s": 1.0, "wall_s": 1.0,
-                "ttft_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
-                "itl_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "texts": [f"reply to {s.prompt}" for s in specs]}
+        return _fake_point(target, rate, fraction, completed=len(specs), texts=[f"reply to {s.prompt}" for s in specs])
 
     monkeypatch.setattr(serving, "measure", fake)
     specs = [SimpleNamespace(prompt=f"p{i}") for i in range(12)]
@@ -312,10 +314,7 @@ def test_a_rate_takes_rounds_until_every_arm_spent_serve_min_rate_s_there(monkey
     def fake(target, specs, rate, seed, fraction=None, api_key=None):
         calls.append((target.arm, fraction))
         wall = (1.0 / fraction) ** 2 * 0.5 * (0.9 if target.arm.startswith("adaptive") else 1.0)
-        return {"arm": target.arm, "rate": rate, "rate_fraction": fraction, "completed": 1, "errors": 0,
-                "error_examples": [], "output_tok_per_s": 10.0, "request_per_s": 1.0, "wall_s": wall,
-                "ttft_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0},
-                "itl_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "texts": ["x"]}
+        return _fake_point(target, rate, fraction, wall_s=wall)
 
     monkeypatch.setattr(serving, "measure", fake)
     targets = [Target(arm, f"u/{arm}", None) for arm in ("nospec", "adaptive-7")]
