@@ -15,7 +15,7 @@ def test_packed_linear_equals_torch(ops, n, k):
     g = torch.Generator().manual_seed(n)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = ops.pack_linear_weight(w)
-    for m in (1, 3, 4, 5, 33):
+    for m in (1, 2, 3, 4, 5, 6, 7, 13, 33):  # every tile height (4 rows with AVX-512, 6 without) and remainders
         x = torch.randn(m, k, generator=g)
         torch.testing.assert_close(ops.packed_linear(x, packed, n), F.linear(x, w), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ops.packed_linear(x, packed, n, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)

@@ -120,54 +120,68 @@ void attend_item(const float* qg, const float* kc, const float* vc, const int64_
     for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = acc[h][d] * inv[h];
 }
 
-// The same for block size 16 (one vector of keys per dimension), with every accumulator an
-// explicit vector so it stays in a register: G heads' scores of a block while its keys
-// stream by, then G x HD/16 output vectors while the values do.
-using adaspec::load16;
-using adaspec::store16;
-using adaspec::vec16;
+// The same for block size 16 (one AVX-512 vector of keys per dimension, two AVX2 ones), with
+// every accumulator an explicit vector so it stays in a register: G heads' scores of a block
+// while its keys stream by, then G x C output vectors while the values do, C = HD / VL at once
+// with AVX-512, or as many as keep G x C within 12 of AVX2's 16 registers (more passes over
+// the values: the accumulators spilled to the stack otherwise). Each output is the same sum
+// in the same order whatever C.
+using adaspec::loadv;
+using adaspec::storev;
+using adaspec::vecf;
+using adaspec::VL;
+
+constexpr int64_t out_chunk(int64_t nv, [[maybe_unused]] int64_t g) {
+#if defined(__AVX512F__)
+  return nv;
+#else
+  int64_t c = nv;
+  while (c > 1 && (g * c > 12 || nv % c)) --c;
+  return c;
+#endif
+}
 
 template <int HD, int G>
 void attend_item16(const float* qg, const float* kc, const float* vc, const int64_t* table, int64_t P, int64_t,
                    int64_t nkv, int64_t g, int64_t, int64_t, float scale, std::vector<float>& scores, float* out) {
-  constexpr int64_t B = 16, NV = HD / 16;
+  constexpr int64_t B = 16, KV = B / VL, NV = HD / VL, C = out_chunk(NV, G);
   const int64_t nblocks = (P + B - 1) / B, stride = nblocks * B;
   scores.resize(G * stride);
   for (int64_t b = 0; b < nblocks; ++b) {
     const float* kt = kc + ((table[b] * nkv + g) * HD) * B;  // (HD, 16)
-    vec16 acc[G];
-    for (int h = 0; h < G; ++h) acc[h] = vec16{};
+    vecf acc[G][KV];
+    for (int h = 0; h < G; ++h)
+      for (int s = 0; s < KV; ++s) acc[h][s] = vecf{};
     for (int64_t d = 0; d < HD; ++d) {
-      const vec16 k = load16(kt + d * B);
-      for (int h = 0; h < G; ++h) acc[h] += qg[h * HD + d] * k;
+      vecf k[KV];
+      for (int s = 0; s < KV; ++s) k[s] = loadv(kt + d * B + s * VL);
+      for (int h = 0; h < G; ++h)
+        for (int s = 0; s < KV; ++s) acc[h][s] += qg[h * HD + d] * k[s];
     }
-    for (int h = 0; h < G; ++h) {
-      const vec16 sc = acc[h] * scale;
-      store16(scores.data() + h * stride + b * B, sc);
-    }
+    for (int h = 0; h < G; ++h)
+      for (int s = 0; s < KV; ++s) storev(scores.data() + h * stride + b * B + s * VL, acc[h][s] * scale);
   }
   float inv[G];
   for (int h = 0; h < G; ++h) inv[h] = softmax_unnormalised(scores.data() + h * stride, P);
-  vec16 o[G][NV];
-  for (int h = 0; h < G; ++h)
-    for (int j = 0; j < NV; ++j) o[h][j] = vec16{};
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const float* vb = vc + ((table[b] * nkv + g) * B) * HD;  // (16, HD)
-    const int64_t n = std::min(B, P - b * B);
-    for (int64_t i = 0; i < n; ++i) {
-      vec16 v[NV];
-      for (int j = 0; j < NV; ++j) v[j] = load16(vb + i * HD + j * 16);
-      for (int h = 0; h < G; ++h) {
-        const float w = scores[h * stride + b * B + i];
-        for (int j = 0; j < NV; ++j) o[h][j] += w * v[j];
+  for (int64_t c0 = 0; c0 < NV; c0 += C) {
+    vecf o[G][C];
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < C; ++j) o[h][j] = vecf{};
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const float* vb = vc + ((table[b] * nkv + g) * B) * HD + c0 * VL;  // (16, HD), from column c0 * VL
+      const int64_t n = std::min(B, P - b * B);
+      for (int64_t i = 0; i < n; ++i) {
+        vecf v[C];
+        for (int j = 0; j < C; ++j) v[j] = loadv(vb + i * HD + j * VL);
+        for (int h = 0; h < G; ++h) {
+          const float w = scores[h * stride + b * B + i];
+          for (int j = 0; j < C; ++j) o[h][j] += w * v[j];
+        }
       }
     }
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < C; ++j) storev(out + h * HD + (c0 + j) * VL, o[h][j] * inv[h]);
   }
-  for (int h = 0; h < G; ++h)
-    for (int j = 0; j < NV; ++j) {
-      const vec16 r = o[h][j] * inv[h];
-      store16(out + h * HD + j * 16, r);
-    }
 }
 
 // Attention of T query tokens (T, nh, hd) over the cache. Token t belongs to sequence

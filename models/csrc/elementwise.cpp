@@ -21,13 +21,18 @@
 namespace {
 
 // Copies n floats to dst with stores that bypass the caches where the CPU has them (dst
-// 64-byte aligned, n a multiple of 16, AVX-512; else a plain copy). For rows written now and
+// aligned to a vector, n a multiple of its floats, AVX-512 or AVX; else a plain copy). For rows written now and
 // read many steps later (the MTP's hidden log): a plain store first reads each line of the
 // never-cached destination in, which made a batch-16 step's final norm 30-40 us dearer.
 void stream_row(float* dst, const float* src, int64_t n) {
 #if defined(__AVX512F__)
   if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0 && n % 16 == 0) {
     for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+    return;
+  }
+#elif defined(__AVX__)
+  if ((reinterpret_cast<uintptr_t>(dst) & 31) == 0 && n % 8 == 0) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
     return;
   }
 #endif
@@ -122,9 +127,9 @@ void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Ten
 }
 
 // silu(g) * u = g * sigmoid(g) * u, with exp(-|g|) <= 1: no overflow on either side.
-inline adaspec::vec16 silu_mul16(adaspec::vec16 g, adaspec::vec16 u) {
-  const adaspec::vec16 e = adaspec::exp16(g < 0.0f ? g : -g);
-  const adaspec::vec16 d = 1.0f / (1.0f + e);
+inline adaspec::vecf silu_mul_v(adaspec::vecf g, adaspec::vecf u) {
+  const adaspec::vecf e = adaspec::expv(g < 0.0f ? g : -g);
+  const adaspec::vecf d = 1.0f / (1.0f + e);
   return g * (g >= 0.0f ? d : e * d) * u;
 }
 
@@ -137,18 +142,19 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   adaspec::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
-    using adaspec::vec16;
+    using adaspec::VL;
+    using adaspec::loadv;
     for (int64_t t = begin; t < end; ++t) {
       const float* g = gp + t * ld;
       const float* u = g + I;
       float* out = yp + t * I;
       int64_t i = 0;
-      for (; i + 16 <= I; i += 16) adaspec::store16(out + i, silu_mul16(adaspec::load16(g + i), adaspec::load16(u + i)));
+      for (; i + VL <= I; i += VL) adaspec::storev(out + i, silu_mul_v(loadv(g + i), loadv(u + i)));
       if (i < I) {  // the tail, through zero-padded buffers
-        float gb[16] = {}, ub[16] = {};
+        float gb[VL] = {}, ub[VL] = {};
         std::memcpy(gb, g + i, (I - i) * sizeof(float));
         std::memcpy(ub, u + i, (I - i) * sizeof(float));
-        const vec16 r = silu_mul16(adaspec::load16(gb), adaspec::load16(ub));
+        const adaspec::vecf r = silu_mul_v(loadv(gb), loadv(ub));
         std::memcpy(out + i, &r, (I - i) * sizeof(float));
       }
     }
@@ -177,16 +183,17 @@ void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tenso
   double* pp = top.data_ptr<double>();
   double* mp = margin.data_ptr<double>();
   adaspec::parallel_for(0, n, grain(V), [&](int64_t begin, int64_t end) {
-    using adaspec::vec16;
+    using adaspec::VL;
+    using adaspec::vecf;
     const float inf = std::numeric_limits<float>::infinity();
     for (int64_t r = begin; r < end; ++r) {
       const float* x = lp + r * ld;
       // per lane, its largest and second largest value
-      vec16 m1 = vec16{} - inf, m2 = vec16{} - inf;
-      const int64_t body = V / 16 * 16;
-      for (int64_t i = 0; i < body; i += 16) {
-        const vec16 v = adaspec::load16(x + i);
-        const vec16 lo = v < m1 ? v : m1;
+      vecf m1 = vecf{} - inf, m2 = vecf{} - inf;
+      const int64_t body = V / VL * VL;
+      for (int64_t i = 0; i < body; i += VL) {
+        const vecf v = adaspec::loadv(x + i);
+        const vecf lo = v < m1 ? v : m1;
         m2 = lo > m2 ? lo : m2;
         m1 = v > m1 ? v : m1;
       }
@@ -199,18 +206,24 @@ void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tenso
           second = v;
         }
       };
-      for (int l = 0; l < 16; ++l) {
+      for (int l = 0; l < VL; ++l) {
         offer(m1[l]);
         offer(m2[l]);
       }
       for (int64_t i = body; i < V; ++i) offer(x[i]);
       int64_t arg = 0;
       while (arg < V - 1 && !(x[arg] == best)) ++arg;
-      vec16 s = vec16{};
-      for (int64_t i = 0; i < body; i += 16) s += adaspec::exp16(adaspec::load16(x + i) - best);
+      // 16 partial sums (one AVX-512 vector, two AVX2 ones) over the first V / 16 * 16 entries, the
+      // rest one at a time: the same sums in the same order whatever the vector width
+      constexpr int S = 16 / VL;
+      const int64_t body16 = V / 16 * 16;
+      vecf s[S] = {};
+      for (int64_t i = 0; i < body16; i += 16)
+        for (int j = 0; j < S; ++j) s[j] += adaspec::expv(adaspec::loadv(x + i + j * VL) - best);
       double sum = 0.0;
-      for (int l = 0; l < 16; ++l) sum += static_cast<double>(s[l]);
-      for (int64_t i = body; i < V; ++i) sum += std::exp(static_cast<double>(x[i]) - best);
+      for (int j = 0; j < S; ++j)
+        for (int l = 0; l < VL; ++l) sum += static_cast<double>(s[j][l]);
+      for (int64_t i = body16; i < V; ++i) sum += std::exp(static_cast<double>(x[i]) - best);
       const double p1 = 1.0 / sum, p2 = std::exp(static_cast<double>(second) - best) / sum;
       tp[r] = arg;
       // a row that is no distribution (NaN, or an infinite logit: a draft that overflowed) gives
@@ -232,17 +245,18 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   adaspec::parallel_for(0, T, grain(V), [&](int64_t begin, int64_t end) {
-    using adaspec::vec16;
+    using adaspec::VL;
+    using adaspec::vecf;
     for (int64_t r = begin; r < end; ++r) {
       const float* x = lp + r * ld;
-      vec16 m = vec16{} - std::numeric_limits<float>::infinity();
-      const int64_t body = V / 16 * 16;
-      for (int64_t i = 0; i < body; i += 16) {
-        const vec16 v = adaspec::load16(x + i);
+      vecf m = vecf{} - std::numeric_limits<float>::infinity();
+      const int64_t body = V / VL * VL;
+      for (int64_t i = 0; i < body; i += VL) {
+        const vecf v = adaspec::loadv(x + i);
         m = v > m ? v : m;
       }
       float best = -std::numeric_limits<float>::infinity();
-      for (int l = 0; l < 16; ++l) best = m[l] > best ? m[l] : best;
+      for (int l = 0; l < VL; ++l) best = m[l] > best ? m[l] : best;
       for (int64_t i = body; i < V; ++i) best = x[i] > best ? x[i] : best;
       int64_t arg = 0;
       while (arg < V - 1 && !(x[arg] == best)) ++arg;

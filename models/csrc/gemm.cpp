@@ -1,13 +1,20 @@
 // Small-batch float32 linear layers for the CPU: y (M, N) = x (M, K) @ W^T (+ bias), with W
 // packed once (float32, or bfloat16 for a draft's weights, widened in registers) into
-// panels of 16 output features, (ceil(N / 16), K, 16): for each k, a
-// panel's 16 weights are one vector, so a register tile of 4 rows x 64 columns takes one
-// broadcast per row and four vector loads per k. Work is split over groups of 64 output
-// columns, so both cores share even a one-row product (MKL runs those on one).
+// panels of 16 output features, (ceil(N / 16), K, 16): for each k, a panel's 16 weights are
+// one AVX-512 vector (two AVX2 ones), so a register tile of R rows x P panels takes one
+// broadcast per row and P * 16 / VL vector loads per k. Work is split over groups of P
+// panels, so both cores share even a one-row product (MKL runs those on one).
+//
+// The tile is sized to the registers the CPU has (VL floats a vector): with AVX-512, 4 rows
+// x 4 panels (16 of 32 registers hold the accumulators); without it, 6 rows x 1 panel (12 of
+// the 16 AVX2 registers). Vector types are the machine's width: a 64-byte type on a CPU
+// without 64-byte registers lived on the stack, every multiply-add a load and a store, and
+// the kernel ran 5-20x slower than MKL.
 //
 // Every output element is one fused multiply-add chain over k in order, whatever M, the
-// tile or the thread that computes it: a row's result does not depend on the batch it was
-// computed in (verification of k + 1 tokens gives the logits one-token decoding would).
+// tile, the vector width or the thread that computes it: a row's result does not depend on
+// the batch it was computed in (verification of k + 1 tokens gives the logits one-token
+// decoding would).
 #include <torch/extension.h>
 #include "thread_pool.h"
 
@@ -17,64 +24,73 @@
 
 namespace {
 
-constexpr int64_t LANES = 16;  // one AVX-512 vector of floats
-constexpr int64_t PANELS = 4;  // panels per column group (64 columns)
+constexpr int64_t LANES = 16;  // output features per panel (the packed layout)
+#if defined(__AVX512F__)
+constexpr int64_t VL = 16;     // floats per vector register
+constexpr int64_t PANELS = 4;  // panels per column group and tile
 constexpr int64_t ROWS = 4;    // rows per register tile
+#else
+constexpr int64_t VL = 8;
+constexpr int64_t PANELS = 1;
+constexpr int64_t ROWS = 6;
+#endif
+constexpr int64_t SUB = LANES / VL;  // vectors per panel
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
+typedef float vec __attribute__((vector_size(VL * sizeof(float)), aligned(4), may_alias));
 
-typedef uint16_t bf16x16 __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2), may_alias));
-typedef uint32_t u32x16 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t bf16v __attribute__((vector_size(VL * sizeof(uint16_t)), aligned(2), may_alias));
+typedef uint32_t u32v __attribute__((vector_size(VL * sizeof(uint32_t))));
 
 // One unaligned vector load (see vec_math.h: through std::memcpy GCC 12 made it 10x slower).
 inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 
-// 16 bfloat16 weights (their bits) as floats: a bfloat16 is the upper half of a float.
+// VL bfloat16 weights (their bits) as floats: a bfloat16 is the upper half of a float.
 inline vec load(const uint16_t* p) {
-  const u32x16 bits = __builtin_convertvector(*reinterpret_cast<const bf16x16*>(p), u32x16) << 16;
+  const u32v bits = __builtin_convertvector(*reinterpret_cast<const bf16v*>(p), u32v) << 16;
   return (vec)bits;
 }
 
 // Rows [0, R) of x against panels [0, P) starting at wp (float32 or bfloat16 weights, W);
-// columns beyond `cols` are dropped.
+// columns beyond `cols` are dropped. Vector v of the tile covers columns v * VL .. v * VL + VL - 1.
 template <int R, int P, typename W>
 void tile(const float* x, int64_t K, const W* wp, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  constexpr int V = P * SUB;  // vectors per row
   // acc must stay in registers: its loops are unrolled and its address is never taken (the
   // bias and the stores go through copies). GCC 12 kept an addressed acc on the stack, one
   // load and store per multiply-add: 10x slower.
-  vec acc[R][P];
-#pragma GCC unroll 4
-  for (int j = 0; j < P; ++j) {
-    float lanes[LANES] = {};
+  vec acc[R][V];
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) {
+    float lanes[VL] = {};
     if (bias != nullptr) {
-      for (int64_t l = 0; l < LANES && j * LANES + l < cols; ++l) lanes[l] = bias[j * LANES + l];
+      for (int64_t l = 0; l < VL && v * VL + l < cols; ++l) lanes[l] = bias[v * VL + l];
     }
     const vec b = load(lanes);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r][j] = b;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][v] = b;
   }
   for (int64_t k = 0; k < K; ++k) {
-    vec w[P];
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) w[j] = load(wp + (j * K + k) * LANES);
-#pragma GCC unroll 4
+    vec w[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) w[v] = load(wp + ((v / SUB) * K + k) * LANES + (v % SUB) * VL);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
-#pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) acc[r][j] += xv * w[j];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] += xv * w[v];
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) {
-      const int64_t n = std::min<int64_t>(LANES, cols - j * LANES);
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      const int64_t n = std::min<int64_t>(VL, cols - v * VL);
       if (n <= 0) break;
-      const vec out = acc[r][j];
-      if (n == LANES) {
-        *reinterpret_cast<vec*>(y + r * ldy + j * LANES) = out;  // one vector store
+      const vec out = acc[r][v];
+      if (n == VL) {
+        *reinterpret_cast<vec*>(y + r * ldy + v * VL) = out;  // one vector store
       } else {
-        std::memcpy(y + r * ldy + j * LANES, &out, n * sizeof(float));
+        std::memcpy(y + r * ldy + v * VL, &out, n * sizeof(float));
       }
     }
   }
@@ -85,21 +101,28 @@ using TileFn = void (*)(const float*, int64_t, const W*, const float*, float*, i
 
 template <int R, typename W>
 TileFn<W> tile_for_panels(int64_t p) {
-  switch (p) {
-    case 1: return &tile<R, 1, W>;
-    case 2: return &tile<R, 2, W>;
-    case 3: return &tile<R, 3, W>;
-    default: return &tile<R, 4, W>;
+  static_assert(PANELS == 1 || PANELS == 4, "tiles are instantiated for 1 or 4 panels");
+  if constexpr (PANELS == 1) {
+    return &tile<R, 1, W>;
+  } else {
+    switch (p) {
+      case 1: return &tile<R, 1, W>;
+      case 2: return &tile<R, 2, W>;
+      case 3: return &tile<R, 3, W>;
+      default: return &tile<R, 4, W>;
+    }
   }
 }
 
 template <typename W>
 TileFn<W> tile_fn(int64_t rows, int64_t panels) {
-  switch (rows) {
+  switch (std::min(rows, ROWS)) {
     case 1: return tile_for_panels<1, W>(panels);
     case 2: return tile_for_panels<2, W>(panels);
     case 3: return tile_for_panels<3, W>(panels);
-    default: return tile_for_panels<4, W>(panels);
+    case 4: return tile_for_panels<4, W>(panels);
+    case 5: return tile_for_panels<5, W>(panels);
+    default: return tile_for_panels<6, W>(panels);
   }
 }
 
