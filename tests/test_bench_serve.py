@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from cluster.bench.serving import arm_overrides, run_sweep
+from cluster.bench.servers import arm_overrides
+from cluster.bench.serving import run_sweep
 from cluster.config import ConfigError, load_config
 from cluster.engine.trace import read_trace
 from tests.conftest import TEST_SIZING
@@ -36,9 +37,10 @@ def _watch_stops(monkeypatch) -> list[tuple[str, dict]]:
     ours whether all its processes are stopped."""
     import cluster.bench.clients as clients
     import cluster.bench.serving as serving
+    from cluster.bench.servers import OurServers
 
     seen, servers = [], []
-    init = serving.OurServers.__init__
+    init = OurServers.__init__
 
     def kept(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -51,7 +53,7 @@ def _watch_stops(monkeypatch) -> list[tuple[str, dict]]:
             return load(url, *args, **kwargs)
         return run
 
-    monkeypatch.setattr(serving.OurServers, "__init__", kept)
+    monkeypatch.setattr(OurServers, "__init__", kept)
     monkeypatch.setattr(serving, "run_load", watched(serving.run_load))
     monkeypatch.setattr(clients, "run_clients", watched(clients.run_clients))
     return seen
@@ -220,7 +222,8 @@ def test_a_rate_round_takes_each_arm_on_its_servers_in_turn(monkeypatch):
     from types import SimpleNamespace
 
     import cluster.bench.serving as serving
-    from cluster.bench.serving import Target, rate_sweep
+    from cluster.bench.servers import Target
+    from cluster.bench.serving import rate_sweep
 
     calls = []
 
@@ -254,7 +257,8 @@ def test_each_rate_round_has_its_own_request_order_and_arrivals_the_same_for_eve
     from types import SimpleNamespace
 
     import cluster.bench.serving as serving
-    from cluster.bench.serving import Target, rate_sweep
+    from cluster.bench.servers import Target
+    from cluster.bench.serving import rate_sweep
 
     calls = []
 
@@ -287,7 +291,8 @@ def test_a_server_warms_up_on_the_workload_at_once_then_on_requests_alone(monkey
     from types import SimpleNamespace
 
     import cluster.bench.serving as serving
-    from cluster.bench.serving import WARMUP_ALONE, Target, warm_up
+    from cluster.bench.servers import Target
+    from cluster.bench.serving import WARMUP_ALONE, warm_up
 
     calls = []
     monkeypatch.setattr(serving, "measure", lambda target, specs, rate, seed, *a, **k: calls.append(
@@ -307,7 +312,8 @@ def test_a_rate_takes_rounds_until_every_arm_spent_serve_min_rate_s_there(monkey
     from types import SimpleNamespace
 
     import cluster.bench.serving as serving
-    from cluster.bench.serving import Target, rate_sweep
+    from cluster.bench.servers import Target
+    from cluster.bench.serving import rate_sweep
 
     calls = []
 

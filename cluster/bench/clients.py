@@ -52,7 +52,7 @@ def blocks(specs: list[RequestSpec], clients: int) -> list[list[RequestSpec]]:
 
 def client_results(target, specs: list[RequestSpec], clients: int) -> tuple[list[RequestResult], float]:
     """`clients` closed-loop clients against a server: the results and the wall time."""
-    from cluster.bench.serving import running
+    from cluster.bench.servers import running
 
     with running(target):
         return asyncio.run(run_clients(target.url, target.model, specs, clients))
