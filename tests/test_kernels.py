@@ -148,6 +148,38 @@ def test_argmax_rows_takes_the_first_of_equal_maxima(ops):
         int(torch.nonzero(row == row.max())[0]) for row in logits]
 
 
+def _attention_reference(q, k_cache, v_cache, tables, q_seq, q_pos, scale):
+    """paged_attention in torch: token t attends to its sequence's positions 0..q_pos[t]."""
+    nh, nkv, bs = q.shape[1], k_cache.shape[1], k_cache.shape[3]
+    out = torch.empty_like(q)
+    for t in range(len(q)):
+        n = int(q_pos[t]) + 1
+        blocks = tables[q_seq[t], :(n + bs - 1) // bs]
+        keys = k_cache[blocks].permute(1, 0, 3, 2).reshape(nkv, -1, q.shape[2])[:, :n]  # (nkv, n, hd)
+        values = v_cache[blocks].permute(1, 0, 2, 3).reshape(nkv, -1, q.shape[2])[:, :n]
+        keys, values = keys.repeat_interleave(nh // nkv, 0), values.repeat_interleave(nh // nkv, 0)
+        weights = torch.softmax(torch.einsum("hd,hnd->hn", q[t].double(), keys.double()) * scale, dim=-1)
+        out[t] = torch.einsum("hn,hnd->hd", weights, values.double()).float()
+    return out
+
+
+# block size, head dim, query heads per KV head: the specialised kernels (attend_item16: the first four;
+# attend_item<16, hd, 0>: the next two) and the generic one
+@pytest.mark.parametrize("bs,hd,group", [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 128, 8), (16, 64, 2),
+                                         (16, 128, 2), (8, 32, 4), (16, 48, 3)])
+def test_paged_attention_equals_torch(ops, bs, hd, group):
+    g = torch.Generator().manual_seed(hd * group + bs)
+    nkv, blocks, width = 2, 12, 6
+    k_cache, v_cache = torch.randn(blocks, nkv, hd, bs, generator=g), torch.randn(blocks, nkv, bs, hd, generator=g)
+    tables = torch.randperm(blocks, generator=g).view(2, width)  # blocks out of order
+    q = torch.randn(9, nkv * group, hd, generator=g)
+    q_seq = torch.tensor([0, 0, 0, 1, 1, 1, 0, 1, 1])
+    q_pos = torch.tensor([0, 1, bs - 1, bs, 2 * bs + 3, width * bs - 1, 5 * bs + 1, 7, 3 * bs])  # partial and full blocks
+    got = ops.paged_attention(q, k_cache, v_cache, tables, q_seq, q_pos, hd ** -0.5)
+    torch.testing.assert_close(got, _attention_reference(q, k_cache, v_cache, tables, q_seq, q_pos, hd ** -0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
 def _attention_inputs(tokens: int, g: torch.Generator):
     nkv, hd, blocks, bs = 4, 32, 8, 16
     k_cache, v_cache = torch.randn(blocks, nkv, hd, bs, generator=g), torch.randn(blocks, nkv, bs, hd, generator=g)
