@@ -174,7 +174,8 @@ def test_paged_attention_equals_torch(ops, bs, hd, group):
     tables = torch.randperm(blocks, generator=g).view(2, width)  # blocks out of order
     q = torch.randn(9, nkv * group, hd, generator=g)
     q_seq = torch.tensor([0, 0, 0, 1, 1, 1, 0, 1, 1])
-    q_pos = torch.tensor([0, 1, bs - 1, bs, 2 * bs + 3, width * bs - 1, 5 * bs + 1, 7, 3 * bs])  # partial and full blocks
+    # positions that end in partial and in full blocks
+    q_pos = torch.tensor([0, 1, bs - 1, bs, 2 * bs + 3, width * bs - 1, 5 * bs + 1, 7, 3 * bs])
     got = ops.paged_attention(q, k_cache, v_cache, tables, q_seq, q_pos, hd ** -0.5)
     torch.testing.assert_close(got, _attention_reference(q, k_cache, v_cache, tables, q_seq, q_pos, hd ** -0.5),
                                rtol=1e-5, atol=1e-5)
