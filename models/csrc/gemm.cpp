@@ -116,13 +116,18 @@ TileFn<W> tile_for_panels(int64_t p) {
 
 template <typename W>
 TileFn<W> tile_fn(int64_t rows, int64_t panels) {
-  switch (std::min(rows, ROWS)) {
+  static_assert(ROWS == 4 || ROWS == 6, "tiles are instantiated for 4 or 6 rows");
+  switch (rows) {
     case 1: return tile_for_panels<1, W>(panels);
     case 2: return tile_for_panels<2, W>(panels);
     case 3: return tile_for_panels<3, W>(panels);
     case 4: return tile_for_panels<4, W>(panels);
-    case 5: return tile_for_panels<5, W>(panels);
-    default: return tile_for_panels<6, W>(panels);
+    default:
+      if constexpr (ROWS == 4) {
+        return tile_for_panels<4, W>(panels);
+      } else {
+        return rows == 5 ? tile_for_panels<5, W>(panels) : tile_for_panels<6, W>(panels);
+      }
   }
 }
 
