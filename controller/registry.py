@@ -2,11 +2,11 @@
 
 Pure bookkeeping (the Ray actor around it lives in cluster/profile_actor.py). It keeps the
 startup sweep's points (rescaled to the machine's speed now: `sweep_speed`) plus a window
-of recent online steps, and refits every
-`refit_every` new samples (twice as long after each scheduled refit that changed no
-prediction of the recent steps by SAME_FIT, up to SCHEDULE_MAX times), or sooner when the
-recent prediction error grows well past the error of the last fit (waiting twice as long
-each time such a refit does not bring the error back down). Samples are kept as columns of numbers (`SampleColumns`), so a
+of recent online steps, and refits every `refit_every` new samples (twice as long after
+each scheduled refit that changed no prediction of the recent steps by SAME_FIT, up to
+SCHEDULE_MAX times), or sooner when the recent prediction error grows well past the error
+of the last fit (waiting twice as long each time such a refit does not bring the error back
+down). Samples are kept as columns of numbers (`SampleColumns`, controller/samples.py), so a
 refit reads arrays instead of thousands of objects: with a full window a refit took 4.8 ms
 from the objects (6.7 ms for the table model), 2.2 ms (4.4) from columns. An in-process
 rank pays it inside its step loop, and at batch 1, where the linear model's recent error
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from itertools import chain
-from typing import NamedTuple
 
 import numpy as np
 
 from controller.catchup import catchup_ms
+from controller.samples import (CATCHUP_TOKENS, DRAFT_MS, DRAFT_SEQS, DRAFT_STEPS, EMITTED, KV_TOKENS, NUM_SEQS,
+                                ONE_OFF, OTHER_MS, Q_TOKENS, VALIDATE_MS, SampleColumns, StepSample)
 from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape
 from controller.yields import BUCKETS, batch_bucket
 
@@ -35,84 +35,6 @@ SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
 DRAFT_MIN_SAMPLES = 16  # steady online draft steps that say how much dearer the draft runs in the engine
 SAME_FIT = 0.05  # a scheduled refit whose model predicts the recent steps within this of the last one's ...
 SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every
-
-
-class StepSample(NamedTuple):
-    """One measured decode step (rank 0's clock), or one sweep point: a validate point has
-    draft_steps == 0, a draft point has q_tokens == 0. A named tuple: the engine makes one
-    every step, and a frozen dataclass's construction cost a batch-8 step about 4.6 us."""
-
-    num_seqs: int
-    q_tokens: int  # sum of q_i
-    kv_tokens: int  # sum of q_i * kv_i
-    validate_ms: float
-    draft_steps: int
-    draft_ms: float
-    other_ms: float = 0.0  # the rest of the step (scheduling, sampling, bookkeeping); 0: not measured
-    emitted: int = 0  # tokens the step emitted (sequences plus accepted drafts)
-    catchup_tokens: int = 0  # tokens the draft caught up on before its first step (0: unknown)
-    draft_seqs: int = 0  # sequences that drafted (0: all num_seqs; a probe standing down drafts for a few)
-    one_off: int = 0  # 1: the draft ran right after a one-off (a calibration batch): not its steady cost
-
-    @property
-    def drafting(self) -> int:
-        """Sequences the draft time is for."""
-        return self.draft_seqs or self.num_seqs
-
-    def features(self) -> list[float]:
-        return [1.0, float(self.q_tokens), float(self.kv_tokens)]
-
-
-FIELDS = StepSample._fields
-(NUM_SEQS, Q_TOKENS, KV_TOKENS, VALIDATE_MS, DRAFT_STEPS, DRAFT_MS, OTHER_MS, EMITTED, CATCHUP_TOKENS,
- DRAFT_SEQS, ONE_OFF) = range(len(FIELDS))
-
-
-class SampleColumns:
-    """StepSamples as rows of float64 (integers exact), in the order added; with `size`, only
-    the last `size` of them (a ring)."""
-
-    def __init__(self, samples=(), size: int | None = None):
-        samples = list(samples)
-        self.size = size if size is not None else max(len(samples), 1)
-        self._rows = np.zeros((self.size, len(FIELDS)))
-        self.count = 0  # rows ever added
-        for sample in samples:
-            self.append(sample)
-
-    def append(self, sample: StepSample) -> None:
-        self.extend([sample])
-
-    def extend(self, samples: list[StepSample]) -> np.ndarray:
-        """The samples in order, in one numpy call (a row at a time cost 2-3 us a sample); returns
-        their rows (the last `size` of them)."""
-        if not samples:
-            return self._rows[:0]
-        kept = samples[-self.size:]  # a row per sample, its fields in order (fromiter: a third of np.array's time)
-        block = np.fromiter(chain.from_iterable(kept), np.float64, len(kept) * len(FIELDS)).reshape(len(kept), -1)
-        at = (self.count + len(samples) - len(block)) % self.size
-        first = min(len(block), self.size - at)
-        self._rows[at:at + first] = block[:first]
-        self._rows[:len(block) - first] = block[first:]
-        self.count += len(samples)
-        return block
-
-    def __len__(self) -> int:
-        return min(self.count, self.size)
-
-    def rows(self) -> np.ndarray:
-        """(len, fields), oldest first."""
-        if self.count <= self.size:
-            return self._rows[:self.count]
-        start = self.count % self.size
-        return np.concatenate([self._rows[start:], self._rows[:start]])
-
-    def samples(self) -> list[StepSample]:
-        return [StepSample(*(_field(f, v) for f, v in zip(FIELDS, r))) for r in self.rows()]
-
-
-def _field(name: str, value: float):
-    return float(value) if name.endswith("_ms") else int(value)
 
 
 class ProfileRegistry:

@@ -14,7 +14,8 @@ from controller.catchup import CATCHUP_MIN_SAMPLES, SWEEP_CATCHUP, catchup_ms, s
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.one_row_step import OneRowStep
 from controller.policy import SpecPolicy
-from controller.registry import STEADY_CATCHUP, WINDOW, ProfileRegistry, StepSample
+from controller.registry import STEADY_CATCHUP, WINDOW, ProfileRegistry
+from controller.samples import StepSample
 from controller.time_model import TimeModel
 from workers.plan import SamplingParams, SeqPlan, StepPlan
 from workers.proposer import SeqState

@@ -13,7 +13,7 @@ from cluster.sim.costs import ProfileCost
 from cluster.sim.replay import SimArm, simulate, startup_model
 from cluster.sim.traces import DraftPool, load_pool, measured
 from controller.config import AdaptiveConfig, SpeculativeConfig
-from controller.registry import StepSample
+from controller.samples import StepSample
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "docs" / "traces" / "bench-adaptive.jsonl.gz"  # an earlier run of docs/bench-adaptive's benchmark

@@ -8,7 +8,8 @@ import numpy as np
 
 from controller.catchup import CATCHUP_MIN_SAMPLES, catchup_ms
 from controller.registry import (DRAFT_MIN_SAMPLES, RECENT, SCHEDULE_MAX, SPEED_WINDOW, STEADY_CATCHUP, WINDOW,
-                                 ProfileRegistry, SampleColumns, StepSample)
+                                 ProfileRegistry)
+from controller.samples import SampleColumns, StepSample
 from controller.time_model import TimeModel, fit, other_fit, piecewise, piecewise_at
 from controller.yields import batch_bucket
 

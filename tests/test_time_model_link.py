@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cluster.engine.time_model_link import ADD_EVERY, IDLE_DEFER, LocalTimeModelLink
-from controller.registry import StepSample
+from controller.samples import StepSample
 from controller.time_model import TimeModel
 
 

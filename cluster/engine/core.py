@@ -19,7 +19,7 @@ from cluster.engine.stats import EngineStats
 from cluster.engine.time_model_link import TimeModelLink, make_time_model_link
 from cluster.engine.trace import TraceWriter
 from controller.policy import MODES
-from controller.registry import StepSample
+from controller.samples import StepSample
 from controller.time_model import TimeModel
 from workers.plan import SamplingParams, StepResult
 from workers.sampler import sample_seed

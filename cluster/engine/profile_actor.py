@@ -13,7 +13,8 @@ from __future__ import annotations
 import ray
 
 from cluster.engine.time_model_link import TimeModelReport, rest_terms
-from controller.registry import ProfileRegistry, StepSample
+from controller.registry import ProfileRegistry
+from controller.samples import StepSample
 from controller.time_model import TimeModel
 
 RESTART_PROBE_TIMEOUT_S = 60

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from cluster.config import Config
 from cluster.engine.executor import WorkerGroup
 from controller.catchup import SWEEP_CATCHUP
-from controller.registry import ProfileRegistry, StepSample
+from controller.registry import ProfileRegistry
+from controller.samples import StepSample
 from controller.time_model import FitReport, TimeModel
 
 log = logging.getLogger("adaspec.sweep")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from cluster.engine.executor import WorkerGroup
-from controller.registry import ProfileRegistry, StepSample
+from controller.registry import ProfileRegistry
+from controller.samples import StepSample
 from controller.time_model import TimeModel
 
 log = logging.getLogger("adaspec.time_model")

@@ -14,7 +14,8 @@ import numpy as np
 
 from cluster.engine.sweep import GRID_CTX, cache_path, fit_samples, identity, save, sweep
 from cluster.entrypoints.common import add_config_args, config_from_args
-from controller.registry import ProfileRegistry, StepSample
+from controller.registry import ProfileRegistry
+from controller.samples import StepSample
 from controller.time_model import TimeModel
 
 

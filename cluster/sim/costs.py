@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.registry import StepSample
+from controller.samples import StepSample
 from controller.time_model import doubling_knots, knot_values, nonneg_lstsq, piecewise, ramps
 
 

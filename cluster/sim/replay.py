@@ -28,7 +28,8 @@ from cluster.sim.costs import CostWorkers
 from cluster.sim.traces import DraftPool
 from controller.config import SpeculativeConfig
 from controller.policy import SpecPolicy
-from controller.registry import ProfileRegistry, StepSample
+from controller.registry import ProfileRegistry
+from controller.samples import StepSample
 from models.kernels import controller_ops
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.engine.trace import read_trace
-from controller.registry import StepSample
+from controller.samples import StepSample
 
 
 @dataclass
