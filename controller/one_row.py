@@ -54,7 +54,7 @@ class OneRow:
 
     def set_budget(self, b2: float, base: float, fixed: int, terms: list[list[tuple]], scale: float,
                    units_per_ms: float = UNITS_PER_MS) -> None:
-        """The draft budget's terms at batch 1 (SpecPolicy.budget_terms): b2, the time model's
+        """The draft budget's terms at batch 1 (StepTerms.budget_terms): b2, the time model's
         context coefficient; base, the time of a plain step without its context term; fixed, the
         step's fixed time terms in units (StepCosts.fixed); terms[k], the budget's (m, expected,
         time, verified) for m = 1..k; scale, 1 + min_gain; units_per_ms, time units per ms."""

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from controller.config import SpeculativeConfig
-from controller.decision import draft_units, f_table, rest_units, step_costs
+from controller.decision import draft_units, step_costs
 from controller.estimators import PRIOR_WEIGHT, Calibrator, LogisticCalibrator
 from controller.history import bounds, level_in, shifted, shifted_shares
 from controller.one_row import new_one_row
@@ -26,6 +26,7 @@ from controller.one_row_step import OneRowStep
 from controller.pending import every, joined, stacked
 from controller.probes import ProbeSchedule
 from controller.step import PlainStep, SpecStep
+from controller.terms import StepTerms
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import YieldsByBatch, batch_bucket, prior_rates
 
@@ -34,9 +35,6 @@ OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at
 OBSERVE_ROWS = 512  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 512  # ... but never more steps than this
 CALIBRATE_ROWS = 1024  # a batch of more sequence-steps fits on an evenly spaced sample of about this many
-# the least time a step is priced at: a refit on a few samples can price every term at 0 (forced refits every
-# 4 steps at TP=4 had made a step's time 0, and the budget divided by it)
-MIN_STEP_MS = 1e-6
 COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, every adaptive step probes and
 # its outcomes reach the calibrators at once (a cold start: see begin_step)
 
@@ -70,8 +68,7 @@ class SpecPolicy:
         self._counts: list[tuple] = []  # ((max_keep, drafts made), verified, accepted) for the draft yields, as many
         self._batches = 0  # calibration batches so far (the large batches' sample offset rotates with them)
         self.yields = YieldsByBatch(max(cfg.num_speculative_tokens, 1))
-        self._f_cache: dict[tuple, tuple] = {}  # values a time model gives a batch size (f_values, draft_step_ms)
-        self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms); _set_rates empties it
+        self.terms = StepTerms(cfg.adaptive.min_gain, self.shares)  # the time terms steps read (controller/terms.py)
         self._caps_cache: dict[tuple, np.ndarray] = {}  # full_caps'
         self._set_rates()
 
@@ -142,7 +139,7 @@ class SpecPolicy:
         if mode == "adaptive":
             self.adaptive_steps += 1
             n = len(kv)
-            learning = self.cold and k > 0 and self.could_pay(model, n, k)
+            learning = self.cold and k > 0 and self.terms.could_pay(model, n, k)
             probe = self.probes.due(n, cold=learning)
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
@@ -153,7 +150,7 @@ class SpecPolicy:
             if n > 1 and k:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop
-                if not probe and model.b2 * float(total) >= self.stand_down_at(model, n, k):
+                if not probe and model.b2 * float(total) >= self.terms.stand_down_at(model, n, k):
                     return PlainStep(self, model, kv, max_keep, k)
         else:
             catchup, at = None, 0
@@ -219,13 +216,13 @@ class SpecPolicy:
         if held is None or held[0] is not tm or held[1] < extra:
             weights, rates = self.logistic.weights, self.rates_at(at)
             extra = max(extra, self.cfg.num_speculative_tokens)
-            costs = step_costs(tm, [0], extra, self.f_values(tm, "decide", 1, extra))
+            costs = step_costs(tm, [0], extra, self.terms.f_values(tm, "decide", 1, extra))
             compiled = self.compiled
             one = new_one_row(costs, self.cfg.adaptive.min_gain, extra,
                               weights if compiled is None else self.compiled_weights(), compiled)
             one.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(extra + 2)], rates)
-            base = self.budget_terms(tm, 1, 1, at=at)[0]
-            terms = [[]] + [self.budget_terms(tm, 1, k, at=at)[1] for k in range(1, extra + 1)]
+            base = self.terms.budget_terms(tm, 1, 1, at=at)[0]
+            terms = [[]] + [self.terms.budget_terms(tm, 1, k, at=at)[1] for k in range(1, extra + 1)]
             one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS)
             held = self._one_row[at] = (tm, extra, one)
         return held[2]
@@ -237,111 +234,6 @@ class SpecPolicy:
         if self._compiled_weights is None or self._compiled_weights[0] is not weights:
             self._compiled_weights = (weights, self.compiled.LogisticWeights(weights))
         return self._compiled_weights[1]
-
-    # ------------------------------------------------------------------ time-model values
-    def f_values(self, tm: TimeModel, use: str, n: int, extra: int):
-        """Values of f that steps of one batch size ask again and again, computed once per
-        time model (steps repeat a batch size far more often than a model changes)."""
-        def compute():
-            return tm.q_ms_at(n * np.arange(1, extra + 2)).tolist() if use == "budget" else f_table(tm, n, extra)
-
-        return self._per_model(tm, (use, id(tm), n, extra), compute)
-
-    def many_terms(self, tm: TimeModel, n: int, extra: int) -> tuple[int, int, np.ndarray]:
-        """A large batch's step's time terms in units (step_costs' fixed and per_token, and f for
-        up to `extra` validated drafts), computed once per time model and batch size."""
-        def compute():
-            return (*rest_units(tm, n), self.f_values(tm, "decide", n, extra)[0])
-
-        return self._per_model(tm, ("many", id(tm), n, extra), compute)
-
-    def draft_unit_list(self, tm: TimeModel, n: int, count: int) -> list[int]:
-        """The draft time of m = 0..count - 1 draft steps of n sequences in units (0 for none), as
-        SpecStep._draft_ms gives it, computed once per time model and batch size."""
-        def compute():
-            first, g = self.draft_terms(tm, n)
-            return [0] + [draft_units(first + m * g) for m in range(1, count)]
-
-        return self._per_model(tm, ("units", id(tm), n, count), compute)
-
-    def draft_terms(self, tm: TimeModel, n: int) -> tuple[float, float]:
-        """(tm.first_ms(n), tm.draft_step_ms(n)): h(n) and g(n), computed once per time model and batch size."""
-        return self._per_model(tm, ("hg", id(tm), n), lambda: (tm.first_ms(n), tm.draft_step_ms(n)))
-
-    def _per_model(self, tm: TimeModel, key: tuple, compute):
-        """compute()'s value for `key`, kept while `tm` is the model it was computed for."""
-        hit = self._f_cache.get(key)
-        if hit is None or hit[0] is not tm:  # (an id can come back for a new model once the old one is gone)
-            if len(self._f_cache) > 256:
-                self._f_cache.clear()
-            hit = self._f_cache[key] = (tm, compute())
-        return hit[1]
-
-    def could_pay(self, tm: TimeModel, n: int, k: int) -> bool:
-        """Would drafting beat a plain step for n sequences were every draft verified and
-        accepted (the context's cost left out)? If not, no acceptance rate can make it pay."""
-        base, terms = self.budget_terms(tm, n, k, optimistic=True)
-        scale = 1.0 + self.cfg.adaptive.min_gain
-        return any(expected / fixed > scale / base for _, expected, fixed, _ in terms)
-
-    def budget_terms(self, tm: TimeModel, n: int, k: int, optimistic: bool = False,
-                     at: int = 0) -> tuple[float, list[tuple]]:
-        """The draft budget's terms that do not depend on the batch's context (SpecStep._budget),
-        computed once per time model, batch size and calibration batch: other + f at m = 0, and
-        per m the expected tokens, the time without the context term, and the validated tokens
-        per sequence. The same floats, added in the same order, as computing them each step.
-        optimistic: every draft verified and accepted, in place of the observed shares; at: the
-        shares of a sequence's record's level (controller/history.py)."""
-        key = (id(tm), n, k, optimistic, at)
-        hit = self._budget_cache.get(key)
-        if hit is not None and hit[0] is tm:
-            return hit[1]
-        if len(self._budget_cache) > 256:
-            self._budget_cache.clear()
-        first, g = self.draft_terms(tm, n)
-        f = self.f_values(tm, "budget", n, k)  # f(n (m + 1)) in ms for m = 0..k
-        (gain, share), o0, o1 = ([1.0] * k,) * 2 if optimistic else self.shares(n, at), tm.o0, tm.o1
-        o0 += tm.drafting_extra_ms(n)  # what a step that drafts costs more outside drafting and validation
-        terms, expected, verified = [], 1.0, 1.0
-        for m in range(1, k + 1):
-            expected += gain[m - 1]
-            verified += share[m - 1]  # validated tokens per sequence: f between its knots n, 2n, ..
-            x = verified - 1.0
-            lo = min(int(x), k - 1)
-            f_val = f[lo] + (x - lo) * (f[lo + 1] - f[lo])
-            terms.append((m, expected, max((o0 + o1 * (n * expected)) + (first + m * g) + f_val, MIN_STEP_MS),
-                          verified))
-        out = (max(tm.other_ms(n) + f[0], MIN_STEP_MS), terms)
-        self._budget_cache[key] = (tm, out)
-        return out
-
-    def stand_down_at(self, tm: TimeModel, n: int, k: int) -> float:
-        """The batch's context cost (ms, tm.b2 times its summed context) from which on the draft
-        budget (SpecStep._budget) is 0 for n sequences and up to k drafts: inf where no such
-        point is known. Kept with the budget's terms.
-
-        Draft budget m beats a plain step where e (base + x) > s (F + v x) (e, F, v: its expected
-        tokens, time without the context term and validated tokens per sequence; base: the plain
-        step's; s = 1 + min_gain; x the context cost), and e <= v (a draft is accepted only if
-        verified): for s' = s (1 - 1e-9), m loses once x (e - s' v) <= s' F - e base, i.e. from
-        x = (s' F - e base) / (e - s' v) on where e < s' v. The margin keeps the loop's float
-        comparisons (relative errors near 1e-16) from disagreeing near that point: there it runs."""
-        key = (id(tm), n, k, "down")
-        hit = self._budget_cache.get(key)
-        if hit is not None and hit[0] is tm:
-            return hit[1]
-        base, terms = self.budget_terms(tm, n, k)
-        scale = (1.0 + self.cfg.adaptive.min_gain) * (1.0 - 1e-9)
-        at = -np.inf
-        for _, expected, fixed, verified in terms:
-            slope = expected - scale * verified
-            if slope >= 0.0:
-                at = np.inf
-                break
-            at = max(at, (scale * fixed - expected * base) / slope)
-        at = max(at, 0.0) if np.isfinite(at) else float(at)
-        self._budget_cache[key] = (tm, at)
-        return at
 
     def shares(self, n: int, at: int = 0) -> tuple[list[float], list[float]]:
         """The draft yields' (accepted, verified) shares per position for steps of n sequences,
@@ -422,7 +314,7 @@ class SpecPolicy:
         """What the budget and the early stop read, as of the last calibration batch."""
         self._rates = rates = prior_rates(self.calibrator)
         self._shares = {}  # the budget's, per batch-size bucket (shares)
-        self._budget_cache = {}  # its terms follow the shares
+        self.terms.forget_budget()  # the budget's terms follow the shares
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
         self._level_rates = {0: self.next_rates}  # rates_at's, per level of a sequence's record
         hits, trials = self.calibrator.hits.sum(), self.calibrator.trials.sum()

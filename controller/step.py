@@ -24,7 +24,7 @@ EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verif
 
 class PlainStep:
     """An adaptive step past the context where no draft budget beats a plain step
-    (SpecPolicy.stand_down_at): a plain decode step, as a SpecStep with budget 0 would be,
+    (StepTerms.stand_down_at, controller/terms.py): a plain decode step, as a SpecStep with budget 0 would be,
     without building one between two forwards. The runner and SpecPolicy.end_plain_step read
     only what it holds; asked for anything else (a test deciding on drafts anyway), it builds
     that SpecStep and answers from it."""
@@ -140,7 +140,7 @@ class SpecStep:
         if total is None:
             total = sum(self.kv_list) if self.kv_list is not None else self.kv.sum()
         kv_ms = tm.b2 * float(total)
-        base, terms = policy.budget_terms(tm, n, k, at=self.level)
+        base, terms = policy.terms.budget_terms(tm, n, k, at=self.level)
         scale = 1.0 + policy.cfg.adaptive.min_gain
         best_m = _best_budget(base, terms, kv_ms, scale)
         if best_m and self.catchup is not None:
@@ -206,9 +206,9 @@ class SpecStep:
                 or top_prob.dtype != np.float64 or margin.dtype != np.float64
                 or not (top_prob.flags.c_contiguous and margin.flags.c_contiguous)):
             return None
-        fixed, per_token, f = policy.many_terms(self.model, len(self.kv), len(self.kv) * self.kmax)
+        fixed, per_token, f = policy.terms.many_terms(self.model, len(self.kv), len(self.kv) * self.kmax)
         self._many = compiled.ManyRows(self.max_keep, self.kv, self.model.b2, f, fixed,
-                                       policy.draft_unit_list(self.model, len(self.kv), self.budget + 2),
+                                       policy.terms.draft_unit_list(self.model, len(self.kv), self.budget + 2),
                                        policy.next_rates, per_token, adaptive.min_gain, REFINE_ROUNDS,
                                        policy.compiled_weights(), top_prob, margin)
         return self._many
@@ -265,14 +265,14 @@ class SpecStep:
         if self.costs is None:
             extra = len(self.kv) * self.kmax
             self.costs = step_costs(self.model, self.kv if self.kv_list is None else self.kv_list, extra,
-                                    self.policy.f_values(self.model, "decide", len(self.kv), extra))
+                                    self.policy.terms.f_values(self.model, "decide", len(self.kv), extra))
         return self.costs
 
     def _draft_terms(self) -> tuple[float, float]:
         """The time model's h(n) and g(n), n the sequences that draft, looked up once per step."""
         if self._hg is None:
             n = len(self.kv) if self.rows is None else len(self.rows)
-            self._hg = self.policy.draft_terms(self.model, n)
+            self._hg = self.policy.terms.draft_terms(self.model, n)
         return self._hg
 
     def _draft_ms(self, steps: int) -> float:
@@ -326,7 +326,7 @@ class SpecStep:
 
 
 def _best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0) -> int:
-    """The draft budget's argmax over m = 0..k (SpecPolicy.budget_terms' base and terms, the
+    """The draft budget's argmax over m = 0..k (StepTerms.budget_terms' base and terms, the
     batch's context cost kv_ms, scale = 1 + min_gain), each token a row emits costing per_token
     ms more where the step drafts (its rows' catch-up); ties keep the smaller m."""
     best_m, best = 0, 1.0 / (base + kv_ms)

@@ -300,7 +300,7 @@ def test_a_cold_start_does_not_probe_where_no_acceptance_could_pay():
     probes keep their schedule (the first adaptive step, then backing off)."""
     policy = _policy(4)
     costly = TimeModel(version=1, b0=5.0, b1=0.1, d0=50.0, d1=0.0)
-    assert not policy.could_pay(costly, 4, 4) and policy.could_pay(TimeModel(b0=5.0, b1=0.1, d0=0.5), 4, 4)
+    assert not policy.terms.could_pay(costly, 4, 4) and policy.terms.could_pay(TimeModel(b0=5.0, b1=0.1, d0=0.5), 4, 4)
     for _ in range(200):
         _budget(policy, costly)
     assert policy.cold and policy.probes.probes == 3  # steps 1, 33 and 97: the interval doubled
@@ -313,7 +313,7 @@ def test_a_time_model_that_prices_everything_at_zero_still_decides(n):
     gets a budget, the same one each time (drafting is free: as far as it may go)."""
     policy = _policy(4)
     zero = TimeModel(version=1, b0=0.0, b1=0.0, d0=0.0, d1=0.0)
-    assert policy.could_pay(zero, n, 4)
+    assert policy.terms.could_pay(zero, n, 4)
     assert [_budget(policy, zero, n=n) for _ in range(3)] == [4] * 3
 
 
@@ -452,7 +452,7 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
 
 
 def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop():
-    """From the context cost SpecPolicy.stand_down_at gives on, the budget's formula answers 0
+    """From the context cost StepTerms.stand_down_at gives on, the budget's formula answers 0
     (a plain step), and begin_step answers so without its loop (a PlainStep); just below that
     point the formula drafts: the point is where standing down begins, not a bound far past it."""
     rng = np.random.default_rng(1)
@@ -466,7 +466,7 @@ def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop():
                        o2=rng.uniform(0, 0.3), o3=rng.uniform(0, 0.02))
         policy.install(tm)
         n, k = int(rng.choice([2, 3, 8, 40])), int(rng.choice([3, 7]))
-        at = policy.stand_down_at(tm, n, k)
+        at = policy.terms.stand_down_at(tm, n, k)
         assert at >= 0.0
         if not np.isfinite(at):
             continue
@@ -581,16 +581,16 @@ def test_a_calibration_batch_of_steps_that_drafted_nothing_keeps_what_the_rates_
     policy.probes.hold()  # no probe
     policy.begin_step("adaptive", [100], [4], 1, 4)
     policy.begin_step("adaptive", [100] * 8, [4] * 8, 1, 4)
-    one, terms = policy._one_row[0], dict(policy._budget_cache)
+    one, terms = policy._one_row[0], dict(policy.terms._budget_cache)
     assert one is not None and terms
     from controller.policy import OBSERVE_MAX
     for _ in range(OBSERVE_MAX + 44):  # past a calibration batch
         step = policy.begin_step("static", [100], [0], 1, 0)
         policy.end_step(step, np.zeros((1, 0)), np.zeros((1, 0)), [0], [0])
-    assert policy._observed == 44 and policy._one_row[0] is one and policy._budget_cache == terms
+    assert policy._observed == 44 and policy._one_row[0] is one and policy.terms._budget_cache == terms
     _teach(policy, 0.3)
     policy._flush()
-    assert policy._one_row == {} and policy._budget_cache == {}
+    assert policy._one_row == {} and policy.terms._budget_cache == {}
 
 
 def test_oracle_steps_teach_the_estimators_nothing():
