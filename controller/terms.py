@@ -1,8 +1,9 @@
 """The time terms a step's decisions read, per time model and batch size: computed once and
 kept while that model is in use (steps repeat a batch size far more often than a model
 changes), the draft budget's also until the next calibration batch moves the shares they are
-weighted with (`forget_budget`). SpecPolicy owns one (`SpecPolicy.terms`); SpecStep, PlainStep
-and batch 1's OneRow read it (controller/step.py, controller/one_row.py)."""
+weighted with (`forget_budget`). SpecPolicy owns one (`SpecPolicy.terms`) and reads it in
+begin_step (the cold start's `could_pay`, `stand_down_at`) and for batch 1's OneRow; SpecStep
+reads it for the budget, the early stop and the keep decision (controller/step.py)."""
 from __future__ import annotations
 
 import numpy as np
