@@ -132,7 +132,7 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
         online = engine.time_models.registry.online
     finally:
         engine.shutdown()
-    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    lines = _sampled([json.loads(line) for line in trace.read_text().splitlines()])
     assert len(lines) == len(online) and [x["batch"] for x in lines] == [s.num_seqs for s in online]
     drafted = [(x, s) for x, s in zip(lines, online) if x["draft_steps"]]
     assert drafted
@@ -142,6 +142,44 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
     assert all(x["predicted_draft_ms"] == round(models[x["version"]].draft_ms(x["draft_seqs"], x["draft_steps"]), 4)
                for x, _ in drafted)
     assert all(x["predicted_draft_ms"] == 0.0 for x in lines if not x["draft_steps"])
+
+
+def _sampled(lines: list[dict]) -> list[dict]:
+    """The traced decode steps the registry gets: every one that drafted, and of each stretch that
+    drafted nothing its first step and every PLAIN_SAMPLE_EVERY-th after it."""
+    from cluster.engine.core import PLAIN_SAMPLE_EVERY
+
+    out, run = [], 0
+    for x in lines:
+        run = 0 if x["draft_steps"] else run + 1
+        if x["draft_steps"] or (run - 1) % PLAIN_SAMPLE_EVERY == 0:
+            out.append(x)
+    return out
+
+
+def test_registry_samples_a_stretch_of_plain_steps(tmp_path, sharegpt_prompts):
+    """Standing down, the registry gets every step that drafted (the probes), the first plain
+    step after one, and every PLAIN_SAMPLE_EVERY-th plain step of a stretch: each sample had
+    cost its share of the registry's work and refits in the step loop (0.9% of batch 4's time
+    standing down), and a plain step's time repeats itself."""
+    import json
+
+    trace = tmp_path / "steps.jsonl"
+    engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE, f"engine.trace_path={trace}"))
+    try:
+        engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
+        for prompt in sharegpt_prompts:
+            engine.add_request(prompt, greedy(MAX_TOKENS))
+        while engine.has_work():
+            engine.step()
+        online = engine.time_models.registry.online
+    finally:
+        engine.shutdown()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    sampled = _sampled(lines)
+    assert [(s.num_seqs, s.draft_steps) for s in online] == [(x["batch"], x["draft_steps"]) for x in sampled]
+    assert any(x["draft_steps"] for x in lines)  # probes, each a sample
+    assert len(online) < 0.5 * len(lines)
 
 
 def test_registry_leaves_one_offs_out_of_a_steps_rest_and_draft(sharegpt_prompts, monkeypatch):

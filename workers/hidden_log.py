@@ -35,15 +35,16 @@ SPARE_BLOCKS = 2  # emptied blocks kept for reuse
 class Block:
     """Rows that entries' outputs were copied into: `used` of them, read by `readers` entries."""
 
-    __slots__ = ("rows", "used", "readers")
+    __slots__ = ("rows", "size", "used", "readers")
 
     def __init__(self, like: torch.Tensor, rows: int):
         self.rows = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        self.size = rows  # len(self.rows), asked at every step: a tensor's len() is a Python call of torch's
         self.used = self.readers = 0
 
     def fits(self, hidden: torch.Tensor) -> bool:
         rows = self.rows
-        return (self.used + len(hidden) <= len(rows) and rows.shape[1:] == hidden.shape[1:]
+        return (self.used + hidden.shape[0] <= self.size and rows.shape[1:] == hidden.shape[1:]
                 and rows.dtype == hidden.dtype and rows.device == hidden.device)
 
 
@@ -72,7 +73,7 @@ class HiddenLog:
         block = self._block
         if block is None or n > self.block_rows // 8:
             return None
-        if block.used + n > len(block.rows):
+        if block.used + n > block.size:
             block = self._block = self._new_block(block.rows)
         return block.rows, block.used
 
@@ -90,13 +91,14 @@ class HiddenLog:
             self._added += 1
             return
         block = None
-        if len(hidden) <= self.block_rows // 8:
+        rows = hidden.shape[0]
+        if rows <= self.block_rows // 8:
             block = self._block
             if block is None or not block.fits(hidden):
                 block = self._block = self._new_block(hidden)
             at = block.used
-            hidden = block.rows[at:at + len(hidden)].copy_(hidden)
-            block.used, block.readers = at + len(hidden), block.readers + 1
+            hidden = block.rows[at:at + rows].copy_(hidden)
+            block.used, block.readers = at + rows, block.readers + 1
         self.entries.append([hidden, ids, firsts, counts, None, block])
         self._added += 1
 
