@@ -9,10 +9,11 @@ from cluster.entrypoints import serve as serve_cli
 from cluster.bench import controller as bench_controller
 from cluster.bench import estimators
 from cluster.bench import offline as bench
+from cluster.bench import paired as bench_paired
 from cluster.bench import serving as bench_serve
 
 COMMANDS = {"generate": generate, "bench": bench, "bench-serve": bench_serve, "bench-controller": bench_controller,
-            "profile": profile,
+            "bench-paired": bench_paired, "profile": profile,
             "acceptance": acceptance, "estimators": estimators, "serve": serve_cli, "launch": launch,
             "simulate": simulate}
 
