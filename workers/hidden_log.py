@@ -91,14 +91,14 @@ class HiddenLog:
             self._added += 1
             return
         block = None
-        rows = hidden.shape[0]
-        if rows <= self.block_rows // 8:
+        n = hidden.shape[0]
+        if n <= self.block_rows // 8:
             block = self._block
             if block is None or not block.fits(hidden):
                 block = self._block = self._new_block(hidden)
             at = block.used
-            hidden = block.rows[at:at + rows].copy_(hidden)
-            block.used, block.readers = at + rows, block.readers + 1
+            hidden = block.rows[at:at + n].copy_(hidden)
+            block.used, block.readers = at + n, block.readers + 1
         self.entries.append([hidden, ids, firsts, counts, None, block])
         self._added += 1
 

@@ -188,8 +188,7 @@ class Engine:
         if plan.decode:
             step_ms = (time.perf_counter() - start) * 1e3
             emitted = sum(len(u.new_token_ids) for u in updates)
-            self._plain_run = 0 if st.draft_steps else self._plain_run + 1
-            if self.time_models is not None and (st.draft_steps or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0):
+            if self.time_models is not None and self._samples(st.draft_steps):
                 # what drafting cost includes deciding on it: the early stops and the keep decision. A rest with a
                 # one-off in it is left out (0), a draft with one marked (StepStats.steady, draft_steady)
                 draft_ms = st.draft_ms + st.draft_control_ms
@@ -203,6 +202,12 @@ class Engine:
                 self.tracer.write(plan, st, step_ms, gap_ms, started)
         self._step_end = time.perf_counter()
         return updates
+
+    def _samples(self, drafted: int) -> bool:
+        """Does the registry get this decode step (drafted: its draft steps)? Every one that drafts;
+        of a stretch that drafts nothing, the first and every PLAIN_SAMPLE_EVERY-th."""
+        self._plain_run = 0 if drafted else self._plain_run + 1
+        return bool(drafted) or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0
 
     def _recover(self, error: Exception) -> None:
         """A rank died: rebuild the worker group and recompute every in-flight sequence
