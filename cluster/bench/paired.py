@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from cluster.bench.results import write_report
 from cluster.bench.servers import arm_overrides
-from cluster.bench.stats import bootstrap_ci, median
+from cluster.bench.stats import median, ratio_summary
+from cluster.engine.request import RequestParams
 from cluster.entrypoints.common import add_config_args
 
 
@@ -50,8 +51,6 @@ class Clocked:
         return self.next >= len(self.arrivals) and not self.engine.has_work()
 
     def step(self) -> None:
-        from cluster.engine.request import RequestParams
-
         engine, arrivals = self.engine, self.arrivals
         if not engine.has_work():  # idle: its clock moves on to the next arrival
             self.clock = max(self.clock, arrivals[self.next][0])
@@ -101,14 +100,15 @@ def sweep(engines: list, specs: list, rates: list[float], rounds: int, warm_rate
             paired_round(engines, specs, frac * sat_rps, seed + 1000 * (i + 1) + j, j % 2 == 1)
     points = []
     for i, frac in enumerate(rates):
-        ratios, tok_s = [], [[], []]
+        tok_s = [[], []]
         for j in tqdm(range(rounds), desc=f"{frac:.0%} of saturation", mininterval=2, leave=False):
             runs = paired_round(engines, specs, frac * sat_rps, seed + 100_000 + 1000 * i + j, j % 2 == 1)
             for got, r in zip(tok_s, runs):
                 got.append(r.output_tokens() / r.clock)
-            ratios.append(tok_s[1][-1] / tok_s[0][-1])
+        ratios = [b / a for a, b in zip(*tok_s)]
+        mid, interval = ratio_summary(tok_s[1], tok_s[0])
         points.append({"rate_fraction": frac, "rate": round(frac * sat_rps, 4), "ratios": [round(x, 5) for x in ratios],
-                       "median": round(median(ratios), 5), "interval": [round(x, 5) for x in bootstrap_ci(ratios)],
+                       "median": round(mid, 5), "interval": [round(x, 5) for x in interval],
                        "min": round(min(ratios), 5), "max": round(max(ratios), 5),
                        "tok_s": [round(median(v), 2) for v in tok_s]})
     return {"saturation_rps": round(sat_rps, 4), "points": points}
