@@ -110,12 +110,13 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
         out = log.reserve(len(h)) if in_place else None
         if out is not None:  # the forward's output, also written into the rows the log reserved
             out[0][out[1]:out[1] + len(h)].copy_(h)
-        log.add(h, [s.seq_id for s in present], None if plain else firsts, None if plain else counts,
+        log.add([s.seq_id for s in present], h, None if plain else firsts, None if plain else counts,
                 written=out is not None)
-        kept = log.entries[-1][0]
+        kept = log.output(-1)
+        assert kept.shape == h.shape and torch.equal(kept, h) and torch.equal(log.output(log.end - 1), h)
         assert (kept.data_ptr() == h.data_ptr()) == (out is None and len(h) > block_rows // 8)  # kept as it is
         assert out is None or kept.data_ptr() == out[0][out[1]].data_ptr()  # ... or where it was written
-        as_is += log.entries[-1][5] is None
+        as_is += log.entries[-1][7] is None
         for s, first, count in zip(present, firsts, counts):
             s.rows.append(h[first:first + count].clone())
         if step % 7 == 6:  # one sequence drafts: reads all it holds, then holds nothing
@@ -132,7 +133,7 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
         assert log.first <= oldest and (log.first == oldest or (step + 1) % TRIM_EVERY)  # trimmed every TRIM_EVERY
     for s in seqs:
         assert torch.equal(torch.cat(log.rows(s.seq_id, s.hidden_step)), torch.cat(s.rows))
-    blocks = {id(e[5]) for e in log.entries if e[5] is not None}
+    blocks = {id(e[7]) for e in log.entries if e[7] is not None}
     assert blocks and (block_rows > 100 or blocks & reused)  # small blocks: some held now were reused
     assert block_rows > 100 or as_is  # outputs over 8 rows kept as they are
     assert not in_place or log.reserve(1) is not None  # reserved once the first output gave the rows' shape

@@ -50,9 +50,9 @@ class Block:
 
 class HiddenLog:
     def __init__(self, block_rows: int = BLOCK_ROWS):
-        # per entry: [output (T, H), sequence ids, first row of each, rows of each (both None: row i is
-        # sequence i's one row), {id: place} made on first read, the Block its output was copied into (None:
-        # the forward's own tensor)]
+        # per entry: [the tensor its output (T, H) lies in, its first row there, T, sequence ids, first row of
+        # each, rows of each (both None: row i is sequence i's one row), {id: place} made on first read, the
+        # Block its output was copied into (None: the forward's own tensor, from row 0)]
         self.entries: list[list] = []
         self.first = 0  # the number of entries[0]
         self._added = 0  # entries added since the last trim
@@ -77,30 +77,40 @@ class HiddenLog:
             block = self._block = self._new_block(block.rows)
         return block.rows, block.used
 
-    def add(self, hidden: torch.Tensor, ids: list[int], firsts: list[int], counts: list[int],
-            written: bool = False) -> None:
+    def add(self, ids: list[int], hidden: torch.Tensor, firsts: list[int] | None, counts: list[int] | None,
+            live=None, written: bool = False) -> None:
         """A forward's output: sequence ids[i]'s next positions are rows firsts[i] .. firsts[i] + counts[i]
         - 1 (firsts, counts None: its next position is row i, as in a step that drafted nothing).
         written: the forward also wrote it where `reserve` said, which is kept; else a small output
-        is copied into a block, a large one kept as it is."""
+        is copied into a block, a large one kept as it is. live: every sequence on this rank (SeqState),
+        to `trim` by every TRIM_EVERY entries (None: the caller trims). The signature is Proposer.keep's:
+        MTPProposer's keep is this method."""
         block = self._block
-        if written:
-            at = block.used
-            block.used, block.readers = at + hidden.shape[0], block.readers + 1
-            self.entries.append([block.rows[at:block.used], ids, firsts, counts, None, block])
-            self._added += 1
-            return
-        block = None
-        n = hidden.shape[0]
-        if n <= self.block_rows // 8:
-            block = self._block
-            if block is None or not block.fits(hidden):
-                block = self._block = self._new_block(hidden)
-            at = block.used
-            hidden = block.rows[at:at + n].copy_(hidden)
+        if written:  # no torch call at all: the entry says where in the block its rows start (a slice costs 1-2 us)
+            at, n = block.used, hidden.shape[0]
             block.used, block.readers = at + n, block.readers + 1
-        self.entries.append([hidden, ids, firsts, counts, None, block])
+            self.entries.append([block.rows, at, n, ids, firsts, counts, None, block])
+        else:
+            block = None
+            n = hidden.shape[0]
+            if n <= self.block_rows // 8:
+                block = self._block
+                if block is None or not block.fits(hidden):
+                    block = self._block = self._new_block(hidden)
+                at = block.used
+                block.rows[at:at + n].copy_(hidden)
+                block.used, block.readers = at + n, block.readers + 1
+                self.entries.append([block.rows, at, n, ids, firsts, counts, None, block])
+            else:
+                self.entries.append([hidden, 0, n, ids, firsts, counts, None, None])
         self._added += 1
+        if live is not None and self._added >= TRIM_EVERY:
+            self.trim(live)
+
+    def output(self, number: int) -> torch.Tensor:
+        """Entry `number`'s rows, all of them (negative: counted from the end)."""
+        data, at, n = self.entries[number - self.first if number >= 0 else number][:3]
+        return data[at:at + n]
 
     def _new_block(self, like: torch.Tensor) -> Block:
         while self._spare:
@@ -115,16 +125,17 @@ class HiddenLog:
         before the log is trimmed again)."""
         parts = []
         for entry in self.entries[since - self.first:]:
-            where = entry[4]
+            where = entry[6]
             if where is None:
-                where = entry[4] = {sid: i for i, sid in enumerate(entry[1])}
+                where = entry[6] = {sid: i for i, sid in enumerate(entry[3])}
             i = where.get(seq_id)
             if i is not None:
-                firsts = entry[2]
+                data, at, firsts = entry[0], entry[1], entry[4]
                 if firsts is None:
-                    parts.append(entry[0][i:i + 1])
+                    parts.append(data[at + i:at + i + 1])
                 else:
-                    parts.append(entry[0][firsts[i]:firsts[i] + entry[3][i]])
+                    at += firsts[i]
+                    parts.append(data[at:at + entry[5][i]])
         return parts
 
     def trim(self, live) -> None:
@@ -136,7 +147,7 @@ class HiddenLog:
         oldest = min((s.hidden_step for s in live), default=self.end)
         if oldest > self.first:
             for entry in self.entries[:oldest - self.first]:
-                block = entry[5]
+                block = entry[7]
                 if block is not None:
                     block.readers -= 1
                     if not block.readers and block is not self._block and len(self._spare) < SPARE_BLOCKS:

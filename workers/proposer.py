@@ -137,14 +137,8 @@ class MTPProposer(Proposer):
             self.logits = target.logits if head is None else (lambda hidden: head(hidden).float())
         self.cache = mtp.new_kv_cache(num_blocks, block_size)
         self.log = HiddenLog()
-
-    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live,
-             written: bool = False) -> None:
-        self.log.add(hidden, ids, firsts, counts, written)
-        self.log.trim(live)
-
-    def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:
-        return self.log.reserve(n)
+        # Proposer.keep and reserve are the log's own, called at every step: not a method's call around each
+        self.keep, self.reserve = self.log.add, self.log.reserve
 
     def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
         # a copy: head may be rows of the log's blocks, which are reused once trimmed
