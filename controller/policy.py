@@ -25,6 +25,7 @@ from controller.one_row import new_one_row
 from controller.one_row_step import OneRowStep
 from controller.pending import every, joined, stacked
 from controller.probes import ProbeSchedule
+from controller.stand_down import StandDown
 from controller.step import PlainStep, SpecStep
 from controller.terms import StepTerms
 from controller.time_model import UNITS_PER_MS, TimeModel
@@ -131,6 +132,15 @@ class SpecPolicy:
         before their outcomes had reached the rates (calibration batches came every 256 steps
         there), and adaptive-7 verified 1-3 drafts in its first 250 steps where the drafts
         were accepted 80% of the time."""
+        down = self._down  # the last stand-down's terms (controller/stand_down.py): still standing down?
+        if down is not None and mode == "adaptive" and version == down.version and k == down.k and len(kv) == down.n:
+            counts, b = down.counts, down.bucket
+            count = counts[b] + 1
+            if count < down.probe_at and down.b2 * float(sum(kv) if isinstance(kv, list) else int(kv.sum())) \
+                    >= down.start:
+                counts[b] = count
+                self.adaptive_steps += 1
+                return PlainStep(self, down.model, kv, max_keep, k)
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         probe = learning = False
@@ -150,7 +160,10 @@ class SpecPolicy:
             if n > 1 and k:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop
-                if not probe and model.b2 * float(total) >= self.terms.stand_down_at(model, n, k):
+                start = self.terms.stand_down_at(model, n, k)
+                if not probe and model.b2 * float(total) >= start:
+                    if not self.cold:  # (a cold start's steps may probe at any step)
+                        self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n))
                     return PlainStep(self, model, kv, max_keep, k)
         else:
             catchup, at = None, 0
@@ -315,6 +328,7 @@ class SpecPolicy:
         self._rates = rates = prior_rates(self.calibrator)
         self._shares = {}  # the budget's, per batch-size bucket (shares)
         self.terms.forget_budget()  # the budget's terms follow the shares
+        self._down: StandDown | None = None  # ... and where it stands down (begin_step)
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
         self._level_rates = {0: self.next_rates}  # rates_at's, per level of a sequence's record
         hits, trials = self.calibrator.hits.sum(), self.calibrator.trials.sum()

@@ -611,3 +611,47 @@ def test_oracle_steps_teach_the_estimators_nothing():
     assert oracle.logistic.weights == fresh.logistic.weights
     assert oracle.calibrator.trials.sum() == 0 and oracle.yields.buckets == {}
     assert static.calibrator.trials.sum() > 0 and static.logistic.weights != fresh.logistic.weights
+
+
+def test_standing_down_step_after_step_answers_as_deciding_it_again():
+    """begin_step's fast path (controller/stand_down.py) against the full path on the same
+    steps: a batch whose size moves, whose sequences' contexts grow and are now and then
+    swapped for short ones, new time models and calibration batches between. Every step gets
+    the same kind of step, budget and probe, and the probe schedule counts the same, while
+    most plain steps take the fast path."""
+    rng = np.random.default_rng(3)
+    fast, full = _policy(7), _policy(7)
+    fast_steps = plain = 0
+    kv = [int(x) for x in rng.integers(20, 400, 4)]
+    version = 0
+    for i in range(4000):
+        if i % 500 == 0:  # a refit: validation's context cost moves the stand-down point
+            version += 1
+            tm = TimeModel(version=version, b0=1.0, b1=0.1, b2=float(rng.uniform(2e-4, 2e-3)), d0=0.2, d1=0.01)
+            fast.install(tm), full.install(tm)
+        if i % 700 == 350:  # a calibration batch moves the rates
+            rate = float(rng.uniform(0.4, 0.9))
+            _teach(fast, rate, k=7), _teach(full, rate, k=7)
+        if rng.random() < 0.02:  # a sequence finishes, or one more arrives
+            kv = kv[:-1] if len(kv) > 2 and rng.random() < 0.5 else kv + [int(rng.integers(5, 50))]
+        if rng.random() < 0.01:  # one swapped for a shorter one: the summed context falls
+            kv[int(rng.integers(len(kv)))] = int(rng.integers(5, 50))
+        held = fast._down
+        full._down = None
+        a = fast.begin_step("adaptive", list(kv), [7] * len(kv), version, 7)
+        b = full.begin_step("adaptive", list(kv), [7] * len(kv), version, 7)
+        assert (type(a), a.budget, a.probe, a.best_m) == (type(b), b.budget, b.probe, b.best_m), i
+        fast_steps += held is not None and fast._down is held and isinstance(a, PlainStep)
+        plain += isinstance(a, PlainStep)
+        for policy, step in ((fast, a), (full, b)):
+            if step.budget:
+                n = len(kv)
+                policy.end_step(step, np.zeros((n, 0)), np.zeros((n, 0)), np.zeros(n, dtype=np.int64),
+                                np.zeros(n, dtype=np.int64))
+            else:
+                policy.end_plain_step(step)
+        assert fast.adaptive_steps == full.adaptive_steps and fast.probes.probes == full.probes.probes, i
+        assert (fast.probes.steps, fast.probes.last, fast.probes.every) == \
+            (full.probes.steps, full.probes.last, full.probes.every), i
+        kv = [c + 1 for c in kv]
+    assert plain > 2000 and fast_steps > 0.8 * plain and plain < 3950, (plain, fast_steps)
