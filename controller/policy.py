@@ -25,8 +25,8 @@ from controller.one_row import new_one_row
 from controller.one_row_step import OneRowStep
 from controller.pending import every, joined, stacked
 from controller.probes import ProbeSchedule
-from controller.stand_down import StandDown
-from controller.step import PlainStep, SpecStep
+from controller.stand_down import PlainStep, StandDown
+from controller.step import SpecStep
 from controller.terms import StepTerms
 from controller.time_model import UNITS_PER_MS, TimeModel
 from controller.yields import YieldsByBatch, batch_bucket, prior_rates

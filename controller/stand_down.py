@@ -1,7 +1,8 @@
-"""Standing down, step after step, without deciding it again: begin_step's fast path.
+"""Standing down: the plain step an adaptive step is past the point where no draft budget beats
+one (StepTerms.stand_down_at; `PlainStep`), and begin_step's fast path while it stands down
+step after step without deciding it again (`StandDown`).
 
-Past the context where no draft budget beats a plain step (StepTerms.stand_down_at), an
-adaptive step is a plain one (PlainStep). Found once, that answer holds for the next steps of
+Found once, that answer holds for the next steps of
 the same time model, batch size and k until a calibration batch moves the rates
 (SpecPolicy._set_rates drops it), the batch's summed context falls below that point (a
 sequence swapped for a shorter one), or its bucket's next probe is due: begin_step then checks
@@ -11,6 +12,11 @@ cold in the caches after the forward), 0.7-1.2% of the step; the fast path reads
 object and the batch's context. It answers exactly what the full path would: the same float
 comparison, the same probe count."""
 from __future__ import annotations
+
+import numpy as np
+
+from controller.step import SpecStep
+from controller.time_model import TimeModel
 
 
 class StandDown:
@@ -25,3 +31,28 @@ class StandDown:
         self.b2, self.start = model.b2, start
         self.counts, self.bucket = probes.steps, bucket
         self.probe_at = probes.last[bucket] + probes.every[bucket]  # ProbeSchedule.due's first True
+
+
+class PlainStep:
+    """An adaptive step past the context where no draft budget beats a plain step
+    (StepTerms.stand_down_at, controller/terms.py): a plain decode step, as a SpecStep with budget 0 would be,
+    without building one between two forwards. The runner and SpecPolicy.end_plain_step read
+    only what it holds; asked for anything else (a test deciding on drafts anyway), it builds
+    that SpecStep and answers from it."""
+
+    __slots__ = ("policy", "model", "kv", "max_keep_list", "k", "_full")
+    mode, probe, cold_start, budget, best_m = "adaptive", False, False, 0, 0
+
+    def __init__(self, policy, model: TimeModel, kv, max_keep, k: int):
+        self.policy, self.model, self.kv, self.max_keep_list, self.k = policy, model, kv, max_keep, k
+        self._full = None
+
+    @property
+    def max_keep(self) -> np.ndarray:
+        return np.asarray(self.max_keep_list, dtype=np.int64)
+
+    def __getattr__(self, name: str):
+        if self._full is None:
+            self._full = SpecStep(self.policy, "adaptive", False, self.kv, self.max_keep_list, self.model, None,
+                                  self.k)
+        return getattr(self._full, name)

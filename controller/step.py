@@ -17,34 +17,10 @@ import numpy as np
 from controller.decision import (CONF_BITS, REFINE_ROUNDS, SMALL, StepCosts, decide_cols, decide_small, decide_with,
                                  quantize, step_costs)
 from controller.early_stop import worth_drafting, worth_drafting_paths
+from controller.terms import best_budget
 from controller.time_model import TimeModel
 
 EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verifies everything drafted
-
-
-class PlainStep:
-    """An adaptive step past the context where no draft budget beats a plain step
-    (StepTerms.stand_down_at, controller/terms.py): a plain decode step, as a SpecStep with budget 0 would be,
-    without building one between two forwards. The runner and SpecPolicy.end_plain_step read
-    only what it holds; asked for anything else (a test deciding on drafts anyway), it builds
-    that SpecStep and answers from it."""
-
-    __slots__ = ("policy", "model", "kv", "max_keep_list", "k", "_full")
-    mode, probe, cold_start, budget, best_m = "adaptive", False, False, 0, 0
-
-    def __init__(self, policy, model: TimeModel, kv, max_keep, k: int):
-        self.policy, self.model, self.kv, self.max_keep_list, self.k = policy, model, kv, max_keep, k
-        self._full = None
-
-    @property
-    def max_keep(self) -> np.ndarray:
-        return np.asarray(self.max_keep_list, dtype=np.int64)
-
-    def __getattr__(self, name: str):
-        if self._full is None:
-            self._full = SpecStep(self.policy, "adaptive", False, self.kv, self.max_keep_list, self.model, None,
-                                  self.k)
-        return getattr(self._full, name)
 
 
 class SpecStep:
@@ -142,13 +118,13 @@ class SpecStep:
         kv_ms = tm.b2 * float(total)
         base, terms = policy.terms.budget_terms(tm, n, k, at=self.level)
         scale = 1.0 + policy.cfg.adaptive.min_gain
-        best_m = _best_budget(base, terms, kv_ms, scale)
+        best_m = best_budget(base, terms, kv_ms, scale)
         if best_m and self.catchup is not None:
             # rows behind by more than a steady step: each token the step emits them pays its share of
             # their catch-up (controller/catchup.py; expected: tokens per row); asked only where it would draft
             per_token = tm.catchup_ms * self.catchup(k)
             if per_token > 0.0:
-                best_m = _best_budget(base, terms, kv_ms, scale, per_token)
+                best_m = best_budget(base, terms, kv_ms, scale, per_token)
         self.best_m = best_m
         if self.probe:
             return min(k, best_m + 1)
@@ -323,19 +299,6 @@ class SpecStep:
                 col = col.tolist() if small else col
             self.conf.append(col)
         return self.conf[:count]
-
-
-def _best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0) -> int:
-    """The draft budget's argmax over m = 0..k (StepTerms.budget_terms' base and terms, the
-    batch's context cost kv_ms, scale = 1 + min_gain), each token a row emits costing per_token
-    ms more where the step drafts (its rows' catch-up); ties keep the smaller m."""
-    best_m, best = 0, 1.0 / (base + kv_ms)
-    for m, expected, fixed, verified in terms:
-        cost = fixed + verified * kv_ms
-        theta = expected / (cost + expected * per_token if per_token else cost)
-        if theta > best * scale:
-            best_m, best = m, theta
-    return best_m
 
 
 def _matrix(cols: list[list[float]]) -> list[list[float]]:

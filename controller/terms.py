@@ -3,7 +3,7 @@ kept while that model is in use (steps repeat a batch size far more often than a
 changes), the draft budget's also until the next calibration batch moves the shares they are
 weighted with (`forget_budget`). SpecPolicy owns one (`SpecPolicy.terms`) and reads it in
 begin_step (the cold start's `could_pay`, `stand_down_at`) and for batch 1's OneRow; SpecStep
-reads it for the budget, the early stop and the keep decision (controller/step.py)."""
+reads it for the budget (`best_budget`), the early stop and the keep decision (controller/step.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -132,3 +132,16 @@ class StepTerms:
         at = max(at, 0.0) if np.isfinite(at) else float(at)
         self._budget_cache[key] = (tm, at)
         return at
+
+
+def best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0) -> int:
+    """The draft budget's argmax over m = 0..k (StepTerms.budget_terms' base and terms, the
+    batch's context cost kv_ms, scale = 1 + min_gain), each token a row emits costing per_token
+    ms more where the step drafts (its rows' catch-up); ties keep the smaller m."""
+    best_m, best = 0, 1.0 / (base + kv_ms)
+    for m, expected, fixed, verified in terms:
+        cost = fixed + verified * kv_ms
+        theta = expected / (cost + expected * per_token if per_token else cost)
+        if theta > best * scale:
+            best_m, best = m, theta
+    return best_m

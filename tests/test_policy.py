@@ -13,7 +13,8 @@ from controller.pending import stacked as _stacked
 from controller.policy import SpecPolicy
 from controller.probes import PLAIN_EVERY, PROBE_EVERY, PROBE_MAX_EVERY
 from controller.one_row_step import OneRowStep
-from controller.step import EXPLORE_EVERY, PlainStep
+from controller.stand_down import PlainStep
+from controller.step import EXPLORE_EVERY
 from controller.time_model import TimeModel
 
 
