@@ -160,8 +160,8 @@ class SpecPolicy:
             if n > 1 and k:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop
-                start = self.terms.stand_down_at(model, n, k)
-                if not probe and model.b2 * float(total) >= start:
+                start = None if probe else self.terms.stand_down_at(model, n, k)
+                if start is not None and model.b2 * float(total) >= start:
                     if not self.cold:  # (a cold start's steps may probe at any step)
                         self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n))
                     return PlainStep(self, model, kv, max_keep, k)

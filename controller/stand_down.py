@@ -2,15 +2,15 @@
 one (StepTerms.stand_down_at; `PlainStep`), and begin_step's fast path while it stands down
 step after step without deciding it again (`StandDown`).
 
-Found once, that answer holds for the next steps of
-the same time model, batch size and k until a calibration batch moves the rates
-(SpecPolicy._set_rates drops it), the batch's summed context falls below that point (a
-sequence swapped for a shorter one), or its bucket's next probe is due: begin_step then checks
-the held terms and counts the step, and nothing else. Deciding it again had cost a plain step
-of 4-16 sequences 12-20 us in a served run (policy, probe schedule, terms and time model each
-cold in the caches after the forward), 0.7-1.2% of the step; the fast path reads this one
-object and the batch's context. It answers exactly what the full path would: the same float
-comparison, the same probe count."""
+Found once, that answer holds for the next steps of the same time model, batch size and k
+until a calibration batch moves the rates (SpecPolicy._set_rates drops it), the batch's summed
+context falls below that point (a sequence swapped for a shorter one), or its bucket's next
+probe is due: begin_step then checks the held terms and counts the step, and nothing else.
+Deciding it again had cost a plain step of 4-16 sequences 12-20 us in a served run (policy,
+probe schedule, terms and time model each cold in the caches after the forward), 0.7-1.2% of
+the step; the fast path reads this one object and the batch's context (in place it still
+costs more than the 7 us it takes with the caches flushed: DESIGN.md section 8). It answers
+exactly what the full path would: the same float comparison, the same probe count."""
 from __future__ import annotations
 
 import numpy as np
