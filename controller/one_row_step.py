@@ -35,7 +35,7 @@ class OneRowStep(SpecStep):
         cap = self.kmax = self.max_keep_list[0]
         # the budget (SpecStep._budget): the OneRow's best m, one position more for a probe or the early stop
         one = self._one = policy.one_row(model, cap, level)
-        best_m = self.best_m = one.begin(self.kv_list[0], cap, k)
+        best_m = self.best_m = self.wants = one.begin(self.kv_list[0], cap, k)
         budget = min(k, best_m + 1) if probe or (best_m and policy.early_stop_on) else best_m
         if budget and not probe and policy.probes.plain_due():
             budget = 0  # a plain probe

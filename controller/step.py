@@ -34,7 +34,7 @@ class SpecStep:
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
                  "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_many",
-                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup", "level")
+                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup", "level", "wants")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None,
@@ -61,6 +61,7 @@ class SpecStep:
         self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads the draft buffers
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
+        self.wants = 0  # ... and before its rows' catch-up is priced (adaptive; catchup.DraftStretches)
         self.budget = self._budget(k) if mode == "adaptive" and k else k
         if self.budget and mode == "adaptive" and not probe and policy.probes.plain_due():
             self.budget = 0  # a plain probe (controller/probes.py): what a plain step's rest costs here
@@ -118,7 +119,7 @@ class SpecStep:
         kv_ms = tm.b2 * float(total)
         base, terms = policy.terms.budget_terms(tm, n, k, at=self.level)
         scale = 1.0 + policy.cfg.adaptive.min_gain
-        best_m = best_budget(base, terms, kv_ms, scale)
+        best_m = self.wants = best_budget(base, terms, kv_ms, scale)
         if best_m and self.catchup is not None:
             # rows behind by more than a steady step: each token the step emits them pays its share of
             # their catch-up (controller/catchup.py; expected: tokens per row); asked only where it would draft

@@ -10,10 +10,12 @@ import pytest
 
 from cluster.engine.request import RequestParams, Sequence
 from cluster.engine.scheduler import Scheduler
-from controller.catchup import CATCHUP_MIN_SAMPLES, SWEEP_CATCHUP, catchup_ms, switch_cost
+from controller.catchup import (CATCHUP_MIN_SAMPLES, STRETCH_DECAY, SWEEP_CATCHUP, DraftStretches, catchup_ms,
+                                switch_cost)
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.one_row_step import OneRowStep
 from controller.policy import SpecPolicy
+from controller.stand_down import PlainStep
 from controller.registry import STEADY_CATCHUP, WINDOW, ProfileRegistry
 from controller.samples import StepSample
 from controller.time_model import TimeModel
@@ -113,13 +115,93 @@ def test_a_step_that_switches_into_drafting_pays_its_share_of_the_catch_up(n):
         per_token = tm.catchup_ms * switch_cost(behind, left, k)
         assert not isinstance(step, OneRowStep) and asked and set(asked) == {k}
         assert step.best_m == _budget_by_the_formula(policy, tm, kv, k, per_token)
-    assert begin([300] * n, [5] * n)[0].best_m == 0  # a long catch-up for five tokens: plain
+    down = begin([300] * n, [5] * n)[0]
+    assert down.best_m == 0 and down.wants == steady  # a long catch-up for five tokens: plain, where it would draft
     assert begin([300] * n, [10**6] * n)[0].best_m == steady  # ... for a long request: paid once, drafts
     unpriced = policy.models[policy.install(dataclasses.replace(tm, version=tm.version + 1, catchup_ms=0.0))]
     asked = []
     step = policy.begin_step("adaptive", list(kv), [k] * n, unpriced.version, k, None,
                              lambda kk: asked.append(kk) or 1e9)
     assert step.best_m == steady and not asked  # nothing priced: never asked
+
+
+def test_a_switch_is_priced_over_how_long_drafting_has_lasted_of_late():
+    """Stretches of steps whose budget would draft: the ended ones' tokens a row, weighted, and the
+    open one's, over the ended ones' weight; the horizon spreads a catch-up where it is shorter
+    than what a row may still emit."""
+    d = STRETCH_DECAY
+    st = DraftStretches()
+    assert st.horizon() is None
+    st.end()  # nothing open: nothing ends
+    st.extend(2.5)
+    st.extend(7.5)
+    assert st.horizon() is None  # none ended yet: no bound
+    st.end()
+    assert st.horizon() == pytest.approx(10.0)
+    st.extend(30.0)
+    st.end()
+    assert st.horizon() == pytest.approx((10.0 * d + 30.0) / (d + 1.0))
+    st.extend(100.0)  # a stretch going on counts already: a long one lifts the horizon before it ends
+    assert st.horizon() == pytest.approx((10.0 * d + 30.0 + 100.0) / (d + 1.0))
+    k = 3
+    assert switch_cost([k + 1 + 50], [100], k, horizon=25.0) == pytest.approx(2.0)
+    assert switch_cost([k + 1 + 50], [100], k, horizon=200.0) == pytest.approx(0.5)
+    assert switch_cost([k + 1 + 50], [None], k, horizon=25.0) == pytest.approx(2.0)
+    assert switch_cost([k + 1], [1], k, horizon=1.0) == 0.0
+
+
+def test_the_runner_learns_how_long_drafting_lasts_from_its_own_steps():
+    """Steps whose budget would draft extend the stretch by a row's tokens, drafted or, where the
+    row's catch-up or a plain probe said no, plain (one); the first step whose budget would not
+    draft ends it; and the horizon reaches the price of a row's catch-up."""
+    engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.num_speculative_tokens=3",
+                                      "speculative.adaptive.enabled=true"))
+    try:
+        engine.set_mode("adaptive")
+        runner = engine.workers.worker.runner
+        policy, begin = runner.policy, runner.policy.begin_step
+        phase, priced = ["plain"], []
+
+        def steps(mode, kv, max_keep, version, k, oracle=None, catchup=None, record=None):
+            if catchup is not None:
+                priced.append(catchup(k))
+            if phase[0] == "plain":
+                return PlainStep(policy, policy.model(version), kv, max_keep, k)
+            step = begin("static", kv, max_keep, version, k)  # drafts k for every row
+            step.wants = 1  # as if the adaptive budget had chosen it
+            if phase[0] == "plain probe":
+                step.budget = 0
+            return step
+
+        policy.begin_step = steps
+        for _ in range(2):
+            engine.add_request("The capital of France is Paris. The capital of Italy is", greedy(60))
+        engine.step()  # the prefills
+        for _ in range(8):
+            engine.step()
+        stretches = runner.stretches
+        assert stretches.open == 0.0 and stretches.horizon() is None
+        phase[0] = "draft"
+        emitted = [sum(len(u.new_token_ids) for u in engine.step()) for _ in range(3)]
+        assert stretches.open == pytest.approx(sum(emitted) / 2) and max(emitted) > 2
+        phase[0] = "plain probe"
+        engine.step()
+        assert stretches.open == pytest.approx(sum(emitted) / 2 + 1.0) and stretches.horizon() is None
+        phase[0] = "plain"
+        for _ in range(6):
+            engine.step()
+        horizon = sum(emitted) / 2 + 1.0
+        assert stretches.open == 0.0 and stretches.horizon() == pytest.approx(horizon)
+        rows = list(runner.seqs.values())
+        left = [60 - (len(s.tokens) - s.prompt_len) for s in rows]
+        assert min(left) > horizon
+        behind = [_behind(s) for s in rows]
+        del priced[:]
+        engine.step()
+        assert priced == [pytest.approx(switch_cost(behind, left, 3, horizon))]
+        assert priced[0] > switch_cost(behind, left, 3) > 0.0
+    finally:
+        engine.shutdown()
 
 
 def test_the_runner_and_the_scheduler_say_how_far_behind_each_row_is_and_what_it_may_still_emit():

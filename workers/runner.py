@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from controller import history
-from controller.catchup import switch_cost
+from controller.catchup import DraftStretches, switch_cost
 from controller.policy import SpecPolicy
 from controller.yields import above
 
@@ -42,6 +42,7 @@ class ModelRunner:
         # the decision, and a token-dependent decision skews the output distribution.
         self.fresh_bonus = False
         self._marks = (0, 0, -1)  # calibration batches after the last two decode steps, the last one's time model
+        self.stretches = DraftStretches()  # how long drafting lasts (controller/catchup.py), for a switch's price
 
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
@@ -146,7 +147,8 @@ class ModelRunner:
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
         step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
-                                      _catchup(seqs, plan, k) if k and plan.mode == "adaptive" else None,
+                                      _catchup(seqs, plan, k, self.stretches) if k and plan.mode == "adaptive"
+                                      else None,
                                       (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 and self.policy.seq_history
                                       else None)
         t1 = time.perf_counter()
@@ -177,6 +179,11 @@ class ModelRunner:
         stats.kv_tokens = sum(q * c for q, c in zip(lens, kv))
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats, out is not None)
+        if plan.mode == "adaptive":
+            if step.wants:
+                self.stretches.extend(sum(len(o.new_tokens) for o in outputs) / len(outputs))
+            else:
+                self.stretches.end()
         t0 = time.perf_counter()
         accepted = [o.accepted for o in outputs]
         self.policy.end_step(step, draft.top_prob, draft.margin, keep, accepted)
@@ -204,6 +211,11 @@ class ModelRunner:
         keep = [0] * n
         outputs = self._accept(plan, seqs, drafting.NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats,
                                out is not None)
+        if plan.mode == "adaptive":
+            if step.wants:  # the budget would draft, and the rows' catch-up or a plain probe said no
+                self.stretches.extend(1.0)
+            elif self.stretches.open:
+                self.stretches.end()
         t0 = time.perf_counter()
         self.policy.end_plain_step(step)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
@@ -269,14 +281,16 @@ def _rounded(a: np.ndarray) -> list[list[float]]:
     return np.round(a, 4).tolist()
 
 
-def _catchup(seqs: list[SeqState], plan: StepPlan, k: int):
-    """For begin_step: k -> the rows' catch-up past a steady step's per token left (catchup.switch_cost),
+def _catchup(seqs: list[SeqState], plan: StepPlan, k: int, stretches: DraftStretches | None = None):
+    """For begin_step: k -> the rows' catch-up past a steady step's per token left, or per token
+    drafting is expected to last where that is fewer (stretches.horizon(); catchup.switch_cost),
     counted from where the draft last ran or the prompt ends, whichever is later (controller/catchup.py),
     computed only if asked; None for one sequence no further behind than a steady step (batch 1's usual
     step, where its OneRow decides)."""
     if len(seqs) == 1 and _behind(seqs[0]) <= k + 1:
         return None
-    return lambda k: switch_cost([_behind(s) for s in seqs], [p.left for p in plan.seqs], k)
+    return lambda k: switch_cost([_behind(s) for s in seqs], [p.left for p in plan.seqs], k,
+                                 stretches.horizon() if stretches is not None else None)
 
 
 def _behind(s: SeqState) -> int:
