@@ -50,6 +50,11 @@ class ProfileRegistry:
         # the draft's in-engine time over the sweep's, last measured, per batch-size bucket (draft_overhead)
         self._draft_overheads: dict[int, float] = {}
         self._catchup_ms = 0.0  # ms per catch-up token past a steady step's, last measured (controller/catchup.py)
+        # what a steady drafting step's rest costs more (TimeModel o2, o3), last measured on DRAFT_MIN_SAMPLES of
+        # them: fitted from fewer (a server standing down drafts only its probes, after long catch-ups, and
+        # their rests are dearer), 23 probe steps had priced it at 0.135 ms where steady drafting steps read
+        # 0.012-0.03, and batch 1 stood down for good (DESIGN.md section 8, probes)
+        self._extra_rest = (0.0, 0.0)
         self._online = SampleColumns(size=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
@@ -209,8 +214,7 @@ class ProfileRegistry:
         """Rows that drafted without a one-off: a step that first caught up on a prompt or on the
         tokens of steps that drafted nothing, or that drafted right after a calibration batch
         (StepSample.one_off), paid what the budget must not expect at every step."""
-        return rows[(rows[:, DRAFT_STEPS] > 0) & (rows[:, CATCHUP_TOKENS] <= STEADY_CATCHUP * _drafting(rows))
-                    & (rows[:, ONE_OFF] == 0)]
+        return rows[(rows[:, DRAFT_STEPS] > 0) & _steady(rows)]
 
     def _data(self) -> np.ndarray:
         """The sweep, its times scaled by sweep_speed (draft times also by their batch size's
@@ -236,12 +240,22 @@ class ProfileRegistry:
             return FitReport(self.model, float("nan"), float("nan"), len(validated))
         rows = _features(validated)
         drafted = self._steady_drafts(data)  # the draft cost of steady drafting
+        # a step's rest: plain steps', and steady drafting steps' where there are enough of them to say what
+        # drafting adds (o2 + o3 n); else that as last measured (`_extra_rest`)
         timed = (data[:, OTHER_MS] > 0) & (data[:, EMITTED] > 0)
-        other = (data[timed, EMITTED], data[timed, OTHER_MS],
-                 np.where(data[timed, DRAFT_STEPS] > 0, data[timed, NUM_SEQS], 0.0))
+        drafting = data[:, DRAFT_STEPS] > 0
+        steady = timed & drafting & _steady(data)
+        measured = int(steady.sum()) >= DRAFT_MIN_SAMPLES
+        timed = (timed & ~drafting) | steady if measured else timed & ~drafting
+        other = (data[timed, EMITTED], data[timed, OTHER_MS], np.where(drafting[timed], data[timed, NUM_SEQS], 0.0))
         report = fit(rows, validated[:, VALIDATE_MS], _drafting(drafted), drafted[:, DRAFT_MS],
                      self.model.version + 1, self.kind, other, drafted[:, DRAFT_STEPS])
-        report = dataclasses.replace(report, model=self._with_catchup(report.model))
+        model = report.model
+        if measured:
+            self._extra_rest = (model.o2, model.o3)
+        else:
+            model = dataclasses.replace(model, o2=self._extra_rest[0], o3=self._extra_rest[1])
+        report = dataclasses.replace(report, model=self._with_catchup(model))
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()
         return report
@@ -278,6 +292,11 @@ def _predicts_alike(old: TimeModel, new: TimeModel, rows: np.ndarray) -> bool:
               new.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS])),
              (old.draft_ms_at(n, steps), new.draft_ms_at(n, steps))]
     return all(bool(np.all(np.abs(b - a) <= SAME_FIT * np.maximum(np.abs(a), 1e-6))) for a, b in pairs)
+
+
+def _steady(rows: np.ndarray) -> np.ndarray:
+    """Rows whose draft, if any, had no one-off (ProfileRegistry._steady_drafts)."""
+    return (rows[:, CATCHUP_TOKENS] <= STEADY_CATCHUP * _drafting(rows)) & (rows[:, ONE_OFF] == 0)
 
 
 def _drafting(rows: np.ndarray) -> np.ndarray:

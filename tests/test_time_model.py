@@ -130,7 +130,9 @@ def test_refit_reads_the_columns_as_the_samples_say():
                        draft_ms=s.draft_ms * (speed * reg.draft_overhead(s.drafting))) for s in sweep] + online
     validated = [s for s in data if s.q_tokens > 0]
     steady = [s for s in data if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
-    timed = [s for s in data if s.other_ms > 0 and s.emitted > 0]
+    # rests: plain steps', and steady drafting steps' (there are at least DRAFT_MIN_SAMPLES of them here)
+    timed = [s for s in data if s.other_ms > 0 and s.emitted > 0 and (s.draft_steps == 0 or s in steady)]
+    assert sum(s.draft_steps > 0 for s in timed) >= DRAFT_MIN_SAMPLES
     expected = fit(np.array([s.features() for s in validated]), np.array([s.validate_ms for s in validated]),
                    np.array([s.drafting for s in steady], dtype=np.float64), np.array([s.draft_ms for s in steady]),
                    2, "linear", (np.array([s.emitted for s in timed], dtype=np.float64),
@@ -145,6 +147,36 @@ def test_refit_reads_the_columns_as_the_samples_say():
     expected = dataclasses.replace(expected, model=dataclasses.replace(expected.model, catchup_ms=per_token))
     assert reg.refit() == expected
     assert reg.online == online
+
+
+def test_what_drafting_adds_to_a_steps_rest_waits_for_enough_steady_drafting_steps():
+    """o2 (+ o3 n), what a drafting step's rest costs more, is fitted from steady drafting steps
+    once there are DRAFT_MIN_SAMPLES of them, and kept as last measured while there are fewer: a
+    server standing down drafts only its probes, after long catch-ups, with dearer rests."""
+    rng = np.random.default_rng(11)
+    sweep = _samples(rng, 30)
+
+    def step(s: StepSample, n: int, drafts: bool, catchup: int, rest: float) -> StepSample:
+        return s._replace(num_seqs=n, draft_steps=2 if drafts else 0, draft_ms=0.8 if drafts else 0.0,
+                          catchup_tokens=catchup, emitted=3 if drafts else n, other_ms=rest)
+
+    # a rest of 0.15 ms and 0.01 a token emitted; a drafting step's 0.02 more, a probe's 0.13 more
+    plain = [step(s, 1 + i % 4, False, 0, 0.15 + 0.01 * (1 + i % 4)) for i, s in enumerate(_samples(rng, 200))]
+    probes = [step(s, 1, True, 200, 0.15 + 0.03 + 0.13) for s in _samples(rng, DRAFT_MIN_SAMPLES + 8)]
+    reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1), sweep=sweep)
+    reg.add(plain + probes)  # drafting steps, but none steady: nothing measured yet
+    model = reg.refit().model
+    assert model.o2 == 0.0 and model.o3 == 0.0
+    assert np.allclose([model.o0, model.o1], [0.15, 0.01], rtol=0.05)  # the plain steps' rest
+    steady = [step(s, 1, True, 4, 0.15 + 0.03 + 0.02) for s in _samples(rng, DRAFT_MIN_SAMPLES)]
+    reg.add(steady[:-1])
+    assert reg.refit().model.o2 == 0.0  # one steady drafting step short
+    reg.add(steady[-1:])
+    measured = reg.refit().model
+    assert np.isclose(measured.drafting_extra_ms(1), 0.02, atol=0.005)  # the steady ones' extra, not the probes'
+    reg.add(plain * (WINDOW // len(plain) + 1) + probes)  # the window holds no steady drafting step any more
+    kept = reg.refit().model
+    assert (kept.o2, kept.o3) == (measured.o2, measured.o3)
 
 
 def test_a_sweep_taken_at_a_slow_moment_is_rescaled_by_the_online_steps():
