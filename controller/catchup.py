@@ -68,13 +68,13 @@ class DraftStretches:
     length what a row emitted over it (each step's tokens over its rows). It ends at the first
     step whose budget would not draft. At 100-120% of saturation a batch dips to one or two
     sequences for a few steps, and rows that had stood down switched there, catching up on
-    tens to hundreds of tokens for a few steps' drafting; the horizon there read 15-25
-    tokens a row. Every step counts, whether a row switched or not, so a horizon that
-    prices switches out still learns when stretches grow long again (counted over the runs
-    of rows that switched, a horizon that had priced switches out would never move). Taking
-    lengths as exponential, the mean is the tokens of all stretches, the open one's included,
-    over the stretches that ended, each weighing STRETCH_DECAY times the next. The same steps
-    on every rank give the same horizon."""
+    tens to hundreds of tokens for a few steps' drafting; the horizon read 19-23 tokens a
+    row after warm-ups that ended at 120%. Every step counts, whether a row switched or not,
+    so a horizon that prices switches out still learns when stretches grow long again
+    (counted over the runs of rows that switched, a horizon that had priced switches out
+    would never move). Taking lengths as exponential, the mean is the tokens of all
+    stretches, the open one's included, over the stretches that ended, each weighing
+    STRETCH_DECAY times the next. The same steps on every rank give the same horizon."""
 
     __slots__ = ("tokens", "ended", "open")
 
