@@ -153,8 +153,9 @@ class LogisticCalibrator:
     def update(self, top_prob: np.ndarray, margin: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
                steps: int = 1, weights: np.ndarray | None = None) -> None:
         """Outcomes of `steps` steps at once (their old evidence fades `steps` times). Only
-        the trials enter the sums (per position, by bincount: linear in the trials). weights:
-        (n, k), each draft's weight in the log-loss (default 1)."""
+        the trials enter the sums (per position, over its slice of the trials sorted by
+        position: linear in the trials). weights: (n, k), each draft's weight in the log-loss
+        (default 1)."""
         n, k = np.asarray(top_prob).shape
         if k == 0:
             return
@@ -162,6 +163,9 @@ class LogisticCalibrator:
         rows, pos = np.nonzero(trial)
         if not len(rows):
             return
+        order = np.argsort(pos, kind="stable")  # the trials by position: each position's a slice (`cuts`)
+        rows, pos = rows[order], pos[order]
+        cuts = np.searchsorted(pos, np.arange(k + 1))
         x = self.features(np.asarray(top_prob)[rows, pos], np.asarray(margin)[rows, pos])  # (T, 4)
         y = hit[rows, pos].astype(np.float64)
         # inverse sampling rates: a rarely verified kind of draft counts for all of its kind
@@ -172,29 +176,34 @@ class LogisticCalibrator:
         prior = held + back
         anchor = (held @ self.w[:k, :, None])[..., 0] + back @ np.array(START)
         w = self.w[:k].copy()
+        z = _logits(x, w, cuts)
+        now = _objective(z, w, prior, anchor, cuts, sw, y)
         for _ in range(NEWTON_ITERS):
-            p = _sigmoid((x * w[pos]).sum(-1))
-            grad = (prior @ w[..., None])[..., 0] - anchor + _sums(pos, sw * (p - y), x, k)
-            step = -np.linalg.solve(prior + _curvature(pos, sw * p * (1 - p), x, k), grad[..., None])[..., 0]
+            p = _sigmoid(z)
+            grad = (prior @ w[..., None])[..., 0] - anchor + _sums(cuts, sw * (p - y), x)
+            step = -np.linalg.solve(prior + _curvature(cuts, sw * p * (1 - p), x), grad[..., None])[..., 0]
             # A full step overshoots where the batch's outcomes contradict confident estimates (curvature near
             # 0 there, gradient large): one step of 512 drafts moved a position's weights from [3.6, -1.0, -0.3,
             # -1.3] to [13.2, 5.2, -6.4, 15.9] and the next to [14.0, -67.1, 18.7, 13.9]. Halved, per position,
             # until the objective falls (or left out).
-            now = _objective(w, prior, anchor, pos, sw, y, x, k)
             scale = np.ones(k)
-            moved = _objective(w + step, prior, anchor, pos, sw, y, x, k)
-            for _ in range(HALVINGS):
+            for _ in range(HALVINGS + 1):
+                tried = w + scale[:, None] * step
+                z_tried = _logits(x, tried, cuts)
+                moved = _objective(z_tried, tried, prior, anchor, cuts, sw, y)
                 worse = moved > now
                 if not worse.any():
                     break
                 scale[worse] *= 0.5
-                moved = _objective(w + scale[:, None] * step, prior, anchor, pos, sw, y, x, k)
-            step *= np.where(moved > now, 0.0, scale)[:, None]
+            better = ~worse
+            step *= np.where(better, scale, 0.0)[:, None]
             w += step
+            z = np.where(better[pos], z_tried, z)
+            now = np.where(better, moved, now)
             if np.abs(step).max() < NEWTON_TOL:
                 break
-        p = _sigmoid((x * w[pos]).sum(-1))
-        self.h[:k] = prior + _curvature(pos, sw * p * (1 - p), x, k)
+        p = _sigmoid(z)
+        self.h[:k] = prior + _curvature(cuts, sw * p * (1 - p), x)  # the batch's curvature where w landed
         self.w[:k] = w
         self._w = self.w.tolist()
 
@@ -212,24 +221,25 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
 
-def _sums(pos: np.ndarray, values: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
-    """(k, 4): per position, the sum of values times each feature (bincount: linear in the trials)."""
-    return np.stack([np.bincount(pos, values * x[:, a], minlength=k) for a in range(x.shape[1])], axis=-1)
+def _sums(cuts: np.ndarray, values: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """(k, 4): per position (the trials cuts[j]:cuts[j + 1]), the sum of values times each feature."""
+    return np.stack([values[a:b] @ x[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
 
 
-def _curvature(pos: np.ndarray, weight: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
+def _curvature(cuts: np.ndarray, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
     """(k, 4, 4): per position, the sum of weight times x x^T."""
-    width = x.shape[1]
-    out = np.empty((k, width, width))
-    for a in range(width):
-        for b in range(a, width):
-            out[:, a, b] = out[:, b, a] = np.bincount(pos, weight * x[:, a] * x[:, b], minlength=k)
-    return out
+    xw = x * weight[:, None]
+    return np.stack([xw[a:b].T @ x[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
 
 
-def _objective(w, prior, anchor, pos, sw, y, x, k) -> np.ndarray:
+def _logits(x: np.ndarray, w: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """(T,): each trial's w_j . x, position by position."""
+    return np.concatenate([x[a:b] @ w[j] for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))])
+
+
+def _objective(z, w, prior, anchor, cuts, sw, y) -> np.ndarray:
     """(k,): per position, the quadratic that holds w (0.5 w^T prior w - anchor . w) plus the batch's
-    weighted log-loss at w."""
-    z = (x * w[pos]).sum(-1)
+    weighted log-loss at logits z."""
+    loss = sw * (np.logaddexp(0.0, z) - y * z)
     held = 0.5 * (w[:, None, :] @ prior @ w[..., None])[:, 0, 0] - (anchor * w).sum(-1)
-    return held + np.bincount(pos, sw * (np.logaddexp(0.0, z) - y * z), minlength=k)
+    return held + np.array([loss[a:b].sum() for a, b in zip(cuts[:-1], cuts[1:])])
