@@ -24,7 +24,7 @@ class OneRowStep(SpecStep):
         """kv, max_keep: one context length and cap (lists, or arrays); k > 0: drafts the step may make;
         level: its sequence's record's (controller/history.py), whose OneRow decides."""
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, "adaptive", probe, model, None
-        self.cold_start, self.level, self.k = cold_start, level, k
+        self.cold_start, self.level = cold_start, level
         self.kv = self.kv_list = kv if isinstance(kv, list) else kv.tolist()
         self.max_keep_list = max_keep if isinstance(max_keep, list) else max_keep.tolist()
         self._caps = None if isinstance(max_keep, list) else max_keep
@@ -39,11 +39,8 @@ class OneRowStep(SpecStep):
         budget = min(k, best_m + 1) if probe or (best_m and policy.early_stop_on) else best_m
         if budget and not probe and policy.probes.plain_due():
             budget = 0  # a plain probe
-        self.near = False
         if probe and best_m == 0 and budget:  # a stand-down probe: its one row drafts, and exploration verifies it
-            budget, self.near = policy.terms.probe_budget(model, 1, k, model.b2 * float(self.kv_list[0]), level)
             self.rows = self._explore = [0]
-            budget = min(budget, cap)
             if not cap:
                 budget, self.rows = 0, None
         self.budget = budget

@@ -195,7 +195,7 @@ class SpecPolicy:
         if step.mode == "oracle":
             return
         if step.probe and not step.cold_start:
-            self.probes.found(len(step.kv), step.best_m > 0, step.near)
+            self.probes.found(len(step.kv), step.best_m > 0)
         counted = None
         if step.rows is not None and step.rule_keep is not None:
             # a stand-down probe's rows, all verified by exploration, stand for what the rule would have verified
@@ -210,7 +210,7 @@ class SpecPolicy:
         if step.mode == "oracle":
             return
         if step.probe and not step.cold_start:
-            self.probes.found(len(step.kv), step.best_m > 0, step.near)
+            self.probes.found(len(step.kv), step.best_m > 0)
         self._count_step(0)
 
     def one_row(self, tm: TimeModel, extra: int, at: int = 0):

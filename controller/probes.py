@@ -3,19 +3,7 @@
 A probe drafts one position past what the budget found worth drafting, so that positions
 the budget calls hopeless still get verified now and then (SpecPolicy.begin_step). Where
 probes keep finding that drafting does not pay, the bucket's interval doubles up to
-PROBE_MAX_EVERY; a probe that finds it pays starts the interval over, and one that finds it
-near paying (the best budget's estimated throughput at least NEAR_GAIN of a plain step's,
-controller/terms.py) halves it and drafts that budget, not one position.
-
-Why near halves: at break-even the budget's verdict rests on a few hundred draft outcomes
-(batch 1 here: a drafting step prices 0.81-1.30 of a plain one between engines warmed up
-alike, around a real 1.03-1.09). An engine whose batch-1 bucket had counted an accepted
-share of 0.56 on 99 first drafts in its warm-up (others: 0.76 on 400) stood batch 1 down,
-its probes doubled to one per 1,024 steps, and the one draft each adds could not move the
-share back: it drafted 3 times a round at 25% of saturation against 2,300-3,000 for the
-others. A probe there costs what drafting loses near break-even, at most a tenth of a step,
-so it comes more often and drafts the budget it came near with, which teaches every
-position that budget would draft.
+PROBE_MAX_EVERY; a probe that finds it pays starts the interval over.
 
 Why per bucket: whether drafting pays depends on the batch. With one schedule, a server
 whose load moves between a few sequences (drafting pays) and 8-16 (it does not) had its
@@ -80,13 +68,10 @@ class ProbeSchedule:
         self.plain += 1
         return True
 
-    def found(self, n: int, pays: bool, near: bool = False) -> None:
-        """A probe at n sequences found that drafting pays (its budget drafted: the interval starts
-        over), that it came within NEAR_GAIN of paying (halves), or neither (doubles)."""
+    def found(self, n: int, pays: bool) -> None:
+        """A probe at n sequences found that drafting pays (its budget drafted) or not."""
         b = batch_bucket(n)
-        every = self.every[b]
-        self.every[b] = PROBE_EVERY if pays else max(PROBE_EVERY, every // 2) if near else \
-            min(PROBE_MAX_EVERY, every * 2)
+        self.every[b] = PROBE_EVERY if pays else min(PROBE_MAX_EVERY, self.every[b] * 2)
 
     def every_at(self, n: int) -> int:
         """Steps between probes at n sequences now."""

@@ -41,7 +41,7 @@ class PlainStep:
     that SpecStep and answers from it."""
 
     __slots__ = ("policy", "model", "kv", "max_keep_list", "k", "_full")
-    mode, probe, cold_start, budget, best_m, wants, near = "adaptive", False, False, 0, 0, 0, False
+    mode, probe, cold_start, budget, best_m, wants = "adaptive", False, False, 0, 0, 0
 
     def __init__(self, policy, model: TimeModel, kv, max_keep, k: int):
         self.policy, self.model, self.kv, self.max_keep_list, self.k = policy, model, kv, max_keep, k

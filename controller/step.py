@@ -34,14 +34,12 @@ class SpecStep:
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
                  "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_many",
-                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup", "level", "wants", "k",
-                 "near")
+                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup", "level", "wants")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None,
                  catchup=None, level: int = 0):
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, mode, probe, model, oracle
-        self.k = k  # drafts the step may make
         self.catchup = catchup  # SpecPolicy.begin_step's: the rows' catch-up the budget prices (None: none)
         self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
         self.level = level  # batch 1: its sequence's record's level (controller/history.py); 0: the pooled rates
@@ -67,17 +65,12 @@ class SpecStep:
         self.budget = self._budget(k) if mode == "adaptive" and k else k
         if self.budget and mode == "adaptive" and not probe and policy.probes.plain_due():
             self.budget = 0  # a plain probe (controller/probes.py): what a plain step's rest costs here
-        self.near = False  # a stand-down probe that found drafting near paying (controller/probes.py)
         if mode == "adaptive" and probe and self.best_m == 0 and self.budget:  # a stand-down probe
-            total = self.kv_total if self.kv_total is not None else sum(self.kv_list) if self.kv_list is not None \
-                else int(self.kv.sum())
-            self.budget, self.near = policy.terms.probe_budget(model, n, k, model.b2 * float(total), level)
             self.rows = self._explore = [policy.probes.probes % n]  # one row, in turn (see rows above)
             caps = np.zeros_like(self.max_keep)
             caps[self.rows] = self.max_keep[self.rows]
             self._set_caps(caps)
             self._hg = None  # h(n) and g(n) of the rows that draft
-            self.budget = min(self.budget, self.kmax)
             if not self.kmax:
                 self.budget, self.rows = 0, None
 
@@ -312,3 +305,4 @@ class SpecStep:
 def _matrix(cols: list[list[float]]) -> list[list[float]]:
     """A small batch's columns (Python lists) -> rows, as the decision takes them."""
     return [list(row) for row in zip(*cols)]
+

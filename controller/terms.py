@@ -14,9 +14,6 @@ from controller.time_model import TimeModel
 # the least time a step is priced at: a refit on a few samples can price every term at 0 (forced refits every
 # 4 steps at TP=4 had made a step's time 0, and the budget divided by it)
 MIN_STEP_MS = 1e-6
-# a stand-down probe whose best budget's estimated throughput is at least this of a plain step's found drafting
-# near paying (probe_budget; controller/probes.py)
-NEAR_GAIN = 0.9
 
 
 class StepTerms:
@@ -107,26 +104,6 @@ class StepTerms:
         out = (max(tm.other_ms(n) + f[0], MIN_STEP_MS), terms)
         self._budget_cache[key] = (tm, out)
         return out
-
-    def best_drafting(self, tm: TimeModel, n: int, k: int, kv_ms: float, at: int = 0) -> tuple[int, float]:
-        """The draft budget m >= 1 with the highest estimated throughput for n sequences whose
-        context costs kv_ms (SpecStep._budget's terms, the catch-up left out), and that
-        throughput over a plain step's (below 1 where the budget stands down); ties keep the
-        smaller m."""
-        base, terms = self.budget_terms(tm, n, k, at=at)
-        best_m, best = 0, 0.0
-        for m, expected, fixed, verified in terms:
-            theta = expected / (fixed + verified * kv_ms)
-            if theta > best:
-                best_m, best = m, theta
-        return best_m, best * (base + kv_ms)
-
-    def probe_budget(self, tm: TimeModel, n: int, k: int, kv_ms: float, at: int = 0) -> tuple[int, bool]:
-        """A stand-down probe's budget, and whether it found drafting near paying: the best budget of
-        one or more drafts where that is at least NEAR_GAIN of a plain step's throughput (its
-        outcomes then teach every position it would draft, at a few percent of a step), else one."""
-        m, gain = self.best_drafting(tm, n, k, kv_ms, at)
-        return (m, True) if gain >= NEAR_GAIN else (1, False)
 
     def stand_down_at(self, tm: TimeModel, n: int, k: int) -> float:
         """The batch's context cost (ms, tm.b2 times its summed context) from which on the draft
