@@ -230,6 +230,10 @@ def validate(cfg: Config) -> None:
     k = cfg.speculative.num_speculative_tokens
     if cfg.speculative.enabled and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"speculative.num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
+    adaptive = cfg.speculative.adaptive
+    for name in ("min_gain", "batch_draft_margin"):
+        if not 0.0 <= getattr(adaptive, name) < float("inf"):
+            raise ConfigError(f"speculative.adaptive.{name}={getattr(adaptive, name)!r} must be a fraction >= 0")
     if cfg.serve.engine_threads < 0 or not cfg.serve.stream_interval_ms >= 0:
         raise ConfigError(f"serve.engine_threads={cfg.serve.engine_threads} and serve.stream_interval_ms="
                           f"{cfg.serve.stream_interval_ms} must be >= 0 (0 threads: the rank's own setting)")

@@ -13,6 +13,10 @@ DRAFT_WEIGHTS = ("bfloat16", "float32")  # models/kernels.py, pack_weights_as
 class AdaptiveConfig:
     enabled: bool = False
     min_gain: float = 0.0  # a kept draft must raise estimated throughput by more than this (tokens/s)
+    # two or more sequences draft only where the best budget beats a plain step's estimated throughput by
+    # more than this fraction (the budget's choice of m > 0 over m = 0; batch 1, the keep rule and the
+    # early stop untouched)
+    batch_draft_margin: float = 0.1
     estimator: str = "top_prob_logistic"  # one of ESTIMATORS (controller/estimators.py)
     early_stop: bool = True  # after each draft step, draft the next only if it pays its draft step
     # batch 1: the sequence's own acceptance record shifts the rates its budget and early stop expect

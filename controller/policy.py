@@ -69,7 +69,8 @@ class SpecPolicy:
         self._counts: list[tuple] = []  # ((max_keep, drafts made), verified, accepted) for the draft yields, as many
         self._batches = 0  # calibration batches so far (the large batches' sample offset rotates with them)
         self.yields = YieldsByBatch(max(cfg.num_speculative_tokens, 1))
-        self.terms = StepTerms(cfg.adaptive.min_gain, self.shares)  # the time terms steps read (controller/terms.py)
+        # the time terms steps read (controller/terms.py)
+        self.terms = StepTerms(cfg.adaptive.min_gain, self.shares, cfg.adaptive.batch_draft_margin)
         self._caps_cache: dict[tuple, np.ndarray] = {}  # full_caps'
         self._set_rates()
 

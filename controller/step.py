@@ -118,14 +118,14 @@ class SpecStep:
             total = sum(self.kv_list) if self.kv_list is not None else self.kv.sum()
         kv_ms = tm.b2 * float(total)
         base, terms = policy.terms.budget_terms(tm, n, k, at=self.level)
-        scale = 1.0 + policy.cfg.adaptive.min_gain
-        best_m = self.wants = best_budget(base, terms, kv_ms, scale)
+        scale, enter = 1.0 + policy.cfg.adaptive.min_gain, policy.terms.enter(n)
+        best_m = self.wants = best_budget(base, terms, kv_ms, scale, enter=enter)
         if best_m and self.catchup is not None:
             # rows behind by more than a steady step: each token the step emits them pays its share of
             # their catch-up (controller/catchup.py; expected: tokens per row); asked only where it would draft
             per_token = tm.catchup_ms * self.catchup(k)
             if per_token > 0.0:
-                best_m = best_budget(base, terms, kv_ms, scale, per_token)
+                best_m = best_budget(base, terms, kv_ms, scale, per_token, enter)
         self.best_m = best_m
         if self.probe:
             return min(k, best_m + 1)

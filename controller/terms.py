@@ -17,13 +17,20 @@ MIN_STEP_MS = 1e-6
 
 
 class StepTerms:
-    def __init__(self, min_gain: float, shares):
+    def __init__(self, min_gain: float, shares, batch_margin: float = 0.0):
         """min_gain: speculative.adaptive.min_gain; shares: (n, at) -> the draft yields' (accepted,
-        verified) shares per position (SpecPolicy.shares)."""
+        verified) shares per position (SpecPolicy.shares); batch_margin:
+        speculative.adaptive.batch_draft_margin."""
         self.min_gain = min_gain
+        self.batch_margin = batch_margin
         self.shares = shares
         self._f_cache: dict[tuple, tuple] = {}  # values a time model gives a batch size (f_values, draft_step_ms)
         self._budget_cache: dict[tuple, tuple] = {}  # the budget's terms (see budget_terms)
+
+    def enter(self, n: int) -> float:
+        """The factor by which a budget m > 0 must beat a plain step for n sequences, beyond
+        1 + min_gain: 1 + batch_draft_margin from two sequences on, 1 at batch 1."""
+        return 1.0 + self.batch_margin if n > 1 else 1.0
 
     def forget_budget(self) -> None:
         """The shares moved (a calibration batch): the budget's terms follow them."""
@@ -71,7 +78,7 @@ class StepTerms:
         """Would drafting beat a plain step for n sequences were every draft verified and
         accepted (the context's cost left out)? If not, no acceptance rate can make it pay."""
         base, terms = self.budget_terms(tm, n, k, optimistic=True)
-        scale = 1.0 + self.min_gain
+        scale = (1.0 + self.min_gain) * self.enter(n)
         return any(expected / fixed > scale / base for _, expected, fixed, _ in terms)
 
     def budget_terms(self, tm: TimeModel, n: int, k: int, optimistic: bool = False,
@@ -112,7 +119,7 @@ class StepTerms:
 
         Draft budget m beats a plain step where e (base + x) > s (F + v x) (e, F, v: its expected
         tokens, time without the context term and validated tokens per sequence; base: the plain
-        step's; s = 1 + min_gain; x the context cost), and e <= v (a draft is accepted only if
+        step's; s = (1 + min_gain) times enter(n); x the context cost), and e <= v (a draft is accepted only if
         verified): for s' = s (1 - 1e-9), m loses once x (e - s' v) <= s' F - e base, i.e. from
         x = (s' F - e base) / (e - s' v) on where e < s' v. The margin keeps the loop's float
         comparisons (relative errors near 1e-16) from disagreeing near that point: there it runs."""
@@ -121,7 +128,7 @@ class StepTerms:
         if hit is not None and hit[0] is tm:
             return hit[1]
         base, terms = self.budget_terms(tm, n, k)
-        scale = (1.0 + self.min_gain) * (1.0 - 1e-9)
+        scale = (1.0 + self.min_gain) * self.enter(n) * (1.0 - 1e-9)
         at = -np.inf
         for _, expected, fixed, verified in terms:
             slope = expected - scale * verified
@@ -134,11 +141,13 @@ class StepTerms:
         return at
 
 
-def best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0) -> int:
+def best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0,
+                enter: float = 1.0) -> int:
     """The draft budget's argmax over m = 0..k (StepTerms.budget_terms' base and terms, the
     batch's context cost kv_ms, scale = 1 + min_gain), each token a row emits costing per_token
-    ms more where the step drafts (its rows' catch-up); ties keep the smaller m."""
-    best_m, best = 0, 1.0 / (base + kv_ms)
+    ms more where the step drafts (its rows' catch-up); ties keep the smaller m. A budget m > 0
+    must beat the plain step by the factor enter (StepTerms.enter) as well."""
+    best_m, best = 0, enter / (base + kv_ms)
     for m, expected, fixed, verified in terms:
         cost = fixed + verified * kv_ms
         theta = expected / (cost + expected * per_token if per_token else cost)

@@ -16,6 +16,8 @@ from tests.conftest import local_engine, tiny_config
     ("parallel.device=tpu", "parallel.device='tpu' is not one of"),
     ("speculative.num_speculative_tokens=0", "speculative.num_speculative_tokens=0 must be in 1..16"),
     ("speculative.adaptive.estimator=magic", "speculative.adaptive.estimator='magic'"),
+    ("speculative.adaptive.min_gain=-0.1", "speculative.adaptive.min_gain=-0.1 must be a fraction >= 0"),
+    ("speculative.adaptive.batch_draft_margin=.nan", "speculative.adaptive.batch_draft_margin=nan must be a fraction"),
     ("speculative.draft_weights=int8", "speculative.draft_weights='int8' is not one of: bfloat16, float32"),
     ("cache=[1, 2]", "cache: expected a mapping"),
     ("cache.kv_tokens=16", "cache.kv_tokens=16 is smaller than model.max_model_len"),

@@ -130,8 +130,8 @@ def test_logistic_holds_after_a_cold_start_and_a_large_batch():
         assert abs(est.mean() - 0.75) < 0.08 and est.min() > 0.2, (seed, cal.w[0].tolist())
 
 
-def _policy(k: int = 4) -> SpecPolicy:
-    return SpecPolicy(SpeculativeConfig(num_speculative_tokens=k, adaptive=AdaptiveConfig(enabled=True)))
+def _policy(k: int = 4, **adaptive) -> SpecPolicy:
+    return SpecPolicy(SpeculativeConfig(num_speculative_tokens=k, adaptive=AdaptiveConfig(enabled=True, **adaptive)))
 
 
 def _budget(policy: SpecPolicy, model: TimeModel, n: int = 4, k: int = 4) -> int:
@@ -197,8 +197,8 @@ def test_draft_budget_follows_acceptance_and_cost():
 def test_what_a_drafting_step_costs_beyond_its_tokens_can_stand_the_budget_down():
     """The rest of a step that drafts costs o2 + o3 n more than a plain step's: priced in,
     a budget that drafted where its gain was a few percent stands down; a plain step is not
-    charged it."""
-    policy = _policy()
+    charged it (no batch margin: the gain would not clear it)."""
+    policy = _policy(batch_draft_margin=0.0)
     _teach(policy, 0.6)
     policy.probes.hold()  # no probe
     plain = TimeModel(version=1, b0=1.0, b1=0.1, d0=0.3, d1=0.0, o0=0.15, o1=0.01)
@@ -207,6 +207,28 @@ def test_what_a_drafting_step_costs_beyond_its_tokens_can_stand_the_budget_down(
         costly = dataclasses.replace(plain, version=version, **extra)
         assert _budget(policy, costly) == 0, extra
     assert dataclasses.replace(plain, o2=0.4).other_ms(4) == plain.other_ms(4)
+
+
+def test_a_batch_drafts_only_past_its_margin_and_batch_1_is_untouched():
+    """batch_draft_margin: from two sequences on, a budget must beat the plain step's estimated
+    throughput by that fraction; where it drafts with the margin it drafts without it, and as a
+    draft step grows dearer the margin stands the batch down first. Batch 1 ignores it."""
+    from controller.terms import best_budget
+
+    # one draft step: 1.5 tokens for 1.45 ms against a plain step's 1 token in 1 ms (3.4% better)
+    assert [best_budget(1.0, [(1, 1.5, 1.45, 1.5)], 0.0, 1.0, enter=e) for e in (1.0, 1.03, 1.05)] == [1, 1, 0]
+    plain, margin = _policy(batch_draft_margin=0.0), _policy(batch_draft_margin=0.1)
+    for policy in (plain, margin):
+        _teach(policy, 0.7)
+        policy.probes.hold()  # no probe
+    only_plain = 0
+    for version, d0 in enumerate(np.linspace(0.05, 6.0, 60), start=1):
+        model = TimeModel(version=version, b0=5.0, b1=0.1, d0=float(d0), d1=0.0)
+        assert _budget(plain, model, n=1) == _budget(margin, model, n=1), d0
+        with_margin, without = _budget(margin, model), _budget(plain, model)
+        assert without or not with_margin, d0
+        only_plain += bool(without and not with_margin)
+    assert only_plain >= 3, only_plain
 
 
 def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
@@ -425,7 +447,9 @@ def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float, 
     gain, share = policy.shares(n, at)
     g = tm.draft_step_ms(n)
     f = tm.q_ms_at(n * np.arange(1, k + 2)).tolist()
-    best_m, best, expected, verified = 0, 1.0 / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
+    # from two sequences on a draft budget must beat the plain step by 1 + batch_draft_margin as well
+    enter = 1.0 + policy.cfg.adaptive.batch_draft_margin if n > 1 else 1.0
+    best_m, best, expected, verified = 0, enter / (tm.other_ms(n) + f[0] + kv_ms), 1.0, 1.0
     for m in range(1, k + 1):
         expected += gain[m - 1]
         verified += share[m - 1]
@@ -438,16 +462,16 @@ def _budget_at(policy: SpecPolicy, tm: TimeModel, n: int, k: int, kv_ms: float, 
     return best_m
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
+@pytest.mark.parametrize("compiled,margin", [(False, 0.0), (True, 0.0), (False, 0.05)])
+def test_the_budget_from_cached_terms_equals_the_formula(request, compiled, margin):
     """The budget's context-free terms are kept per time model, batch size and calibration
     batch; each step's answer is still the formula's, over many models, rates, contexts and
     caps. Batch 1 asks its OneRow (the Python one, and the compiled one where the kernels load)."""
     ops = request.getfixturevalue("ops") if compiled else None
     rng, levels = np.random.default_rng(0), set()
     for trial in range(60):
-        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7,
-                                              adaptive=AdaptiveConfig(enabled=True, seq_history=True)), compiled=ops)
+        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(
+            enabled=True, seq_history=True, batch_draft_margin=margin)), compiled=ops)
         _teach(policy, rng.uniform(0.3, 0.95), k=7)
         policy.probes.hold()  # no probe
         tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(0, 1e-3),
@@ -478,14 +502,16 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled):
         assert type(policy._one_row[0][2]).__module__ == "adaspec_cpu_ops"
 
 
-def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop():
+@pytest.mark.parametrize("margin", [0.0, 0.05])
+def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop(margin):
     """From the context cost StepTerms.stand_down_at gives on, the budget's formula answers 0
     (a plain step), and begin_step answers so without its loop (a PlainStep); just below that
     point the formula drafts: the point is where standing down begins, not a bound far past it."""
     rng = np.random.default_rng(1)
     tight = plain = 0
     for trial in range(150):
-        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True)))
+        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=7,
+                                              adaptive=AdaptiveConfig(enabled=True, batch_draft_margin=margin)))
         _teach(policy, rng.uniform(0.3, 0.95), k=7)
         policy.probes.hold()  # no probe
         tm = TimeModel(version=1, b0=rng.uniform(0.5, 5), b1=rng.uniform(0.01, 0.5), b2=rng.uniform(1e-5, 1e-3),
