@@ -55,6 +55,9 @@ class ProfileRegistry:
         # their rests are dearer), 23 probe steps had priced it at 0.135 ms where steady drafting steps read
         # 0.012-0.03, and batch 1 stood down for good (DESIGN.md section 8, probes)
         self._extra_rest = (0.0, 0.0)
+        # what a drafting step's validation costs more (TimeModel.v_drafted), last measured where the window held
+        # DRAFT_MIN_SAMPLES validate steps that drafted and as many that did not (standing down, none draft)
+        self._v_drafted = 0.0
         self._online = SampleColumns(size=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
@@ -78,7 +81,7 @@ class ProfileRegistry:
         rows = self._online.extend(validated)[-RECENT:]  # only the latest RECENT errors are kept
         if len(rows):  # each step's error, in a few array operations (not a prediction per sample)
             measured = rows[:, VALIDATE_MS]
-            predicted = model.validate_ms_at(rows[:, Q_TOKENS], rows[:, KV_TOKENS])
+            predicted = model.validate_ms_at(rows[:, Q_TOKENS], rows[:, KV_TOKENS], rows[:, DRAFT_STEPS] > 0)
             self.recent_err.extend((np.abs(predicted - measured) / np.maximum(measured, 1e-6)).tolist())
         self.since_fit += len(validated)
         scheduled = self.since_fit >= self.schedule
@@ -124,7 +127,10 @@ class ProfileRegistry:
     def sweep_speed(self) -> float:
         """How much slower (> 1) or faster the machine runs now than during the startup
         sweep: the median, over the latest online validate steps, of their time over what
-        the sweep's own fit predicts (1.0 before there are enough of them).
+        the sweep's own fit predicts (1.0 before there are enough of them): of the steps that
+        did not draft where there are enough of those (a step that drafted validates dearer:
+        TimeModel.v_drafted, which the refit tells apart only against a sweep at the speed of
+        the plain steps).
 
         A refit scales the sweep's validate and draft times by it. Online validate steps
         come at every step, online draft steps only while drafting pays; without the
@@ -134,6 +140,8 @@ class ProfileRegistry:
         down, which yields no draft steps to correct them."""
         validated, online = self._sweep_validated(), self._online.rows()[-SPEED_WINDOW:]
         online = online[online[:, Q_TOKENS] > 0]
+        plain = online[online[:, DRAFT_STEPS] == 0]
+        online = plain if len(plain) >= SPEED_MIN_SAMPLES else online
         if len(online) < SPEED_MIN_SAMPLES or len(validated) < 3:
             return 1.0
         predicted = self._sweep_fit().validate_ms_at(online[:, Q_TOKENS], online[:, KV_TOKENS])
@@ -255,6 +263,13 @@ class ProfileRegistry:
             self._extra_rest = (model.o2, model.o3)
         else:
             model = dataclasses.replace(model, o2=self._extra_rest[0], o3=self._extra_rest[1])
+        online = self._online.rows()
+        online = online[online[:, Q_TOKENS] > 0]
+        drafted = int((online[:, DRAFT_STEPS] > 0).sum())
+        if min(drafted, len(online) - drafted) >= DRAFT_MIN_SAMPLES:
+            self._v_drafted = model.v_drafted
+        else:
+            model = dataclasses.replace(model, v_drafted=self._v_drafted)
         report = dataclasses.replace(report, model=self._with_catchup(model))
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()
@@ -288,8 +303,9 @@ def _predicts_alike(old: TimeModel, new: TimeModel, rows: np.ndarray) -> bool:
         return False
     validated = rows[rows[:, Q_TOKENS] > 0]
     n, steps = _drafting(rows), np.maximum(rows[:, DRAFT_STEPS], 1)
-    pairs = [(old.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS]),
-              new.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS])),
+    drafted = validated[:, DRAFT_STEPS] > 0
+    pairs = [(old.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS], drafted),
+              new.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS], drafted)),
              (old.draft_ms_at(n, steps), new.draft_ms_at(n, steps))]
     return all(bool(np.all(np.abs(b - a) <= SAME_FIT * np.maximum(np.abs(a), 1e-6))) for a, b in pairs)
 
@@ -310,5 +326,6 @@ def _buckets(n: np.ndarray) -> np.ndarray:
 
 
 def _features(validated: np.ndarray) -> np.ndarray:
-    """(m, 3): StepSample.features() of each row, [1, Q, sum q*kv]."""
-    return np.column_stack([np.ones(len(validated)), validated[:, Q_TOKENS], validated[:, KV_TOKENS]])
+    """(m, 4): StepSample.features() of each row, [1, Q, sum q*kv], and 1 where the step drafted."""
+    return np.column_stack([np.ones(len(validated)), validated[:, Q_TOKENS], validated[:, KV_TOKENS],
+                            (validated[:, DRAFT_STEPS] > 0).astype(np.float64)])

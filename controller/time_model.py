@@ -4,7 +4,7 @@
     T_draft = h(n) + m g(n)                      (ms for m >= 1 draft steps of n sequences; the
                                                   first step also catches the draft up on the
                                                   tokens accepted last step: h)
-    T_other = o0 + o1 E (+ o2 + o3 n if the step drafts)
+    T_other = o0 + o1 E (+ o2 + o3 n + v if the step drafts)
                                                  (ms per step, E tokens emitted: scheduling,
                                                   sampling, accepting, detokenizing, storing)
 
@@ -23,6 +23,13 @@ a plain step at batch 8 (E = 8): a line in E alone, fitted over all of them, pri
 drafting step at batch 2 about 0.1 ms (8% of the step) too cheap, and the budget drafted at
 batch 2, where plain decoding was 2.5% faster. o2 + o3 n is that extra, per drafting step
 of n sequences; the budget charges it to every m >= 1 and not to a plain step.
+
+A step that drafted also validates dearer than one that did not at the same tokens: the
+draft's forwards displace the target's weights from the caches. In a recorded batch-1
+trace a step that drafted and verified nothing (Q = 1) validated in 1.27 ms median against
+a plain step's 1.06 (and Q = 2 / 3 / 4 in 1.35 / 1.41 / 1.48). v is that, fitted with the
+validate model as a column that is 1 where the step drafted (once the steps hold both
+kinds); the budget charges it with o2 + o3 n (`drafting_extra_ms`).
 
 q_i is the number of tokens sequence i validates (kept drafts + 1) and kv_i its context
 length. Two kinds (`speculative.adaptive.time_model`):
@@ -68,6 +75,7 @@ class TimeModel:
     o1: float = 0.0  # ... per emitted token
     o2: float = 0.0  # ... more in a step that drafts
     o3: float = 0.0  # ... and per sequence of such a step
+    v_drafted: float = 0.0  # validate ms more in a step that drafted (its target weights reloaded into the caches)
     # the table kind's f at q_knots (empty: linear)
     q_knots: tuple = ()
     q_ms: tuple = ()
@@ -92,24 +100,29 @@ class TimeModel:
         q, kv = np.asarray(q, dtype=np.float64), np.asarray(kv, dtype=np.float64)
         return self.validate_ms_from(q.sum(), (q * kv).sum())
 
-    def validate_ms_from(self, q_tokens: int, kv_tokens: int) -> float:
-        """The same prediction from the summed features."""
+    def validate_ms_from(self, q_tokens: int, kv_tokens: int, drafted: bool = False) -> float:
+        """The same prediction from the summed features (drafted: the step drafted first)."""
         # the same floats as q_ms_at's, without numpy's per-call cost (every step asks)
         if not self.q_knots:
-            return (self.b0 + self.b1 * float(q_tokens)) + self.b2 * kv_tokens
-        return piecewise_at(q_tokens, self.q_knots, self.q_ms) + self.b2 * kv_tokens
+            ms = (self.b0 + self.b1 * float(q_tokens)) + self.b2 * kv_tokens
+        else:
+            ms = piecewise_at(q_tokens, self.q_knots, self.q_ms) + self.b2 * kv_tokens
+        return ms + self.v_drafted if drafted else ms
 
-    def validate_ms_at(self, q_tokens: np.ndarray, kv_tokens: np.ndarray) -> np.ndarray:
-        """validate_ms_from for arrays of steps' summed features."""
-        return self.q_ms_at(q_tokens) + self.b2 * np.asarray(kv_tokens, dtype=np.float64)
+    def validate_ms_at(self, q_tokens: np.ndarray, kv_tokens: np.ndarray,
+                       drafted: np.ndarray | None = None) -> np.ndarray:
+        """validate_ms_from for arrays of steps' summed features (drafted: 1 where the step drafted)."""
+        ms = self.q_ms_at(q_tokens) + self.b2 * np.asarray(kv_tokens, dtype=np.float64)
+        return ms if drafted is None else ms + self.v_drafted * np.asarray(drafted, dtype=np.float64)
 
     def other_ms(self, emitted: float) -> float:
         """The rest of a plain step that emits `emitted` tokens."""
         return self.o0 + self.o1 * emitted
 
     def drafting_extra_ms(self, n: int) -> float:
-        """What the rest of a step of n sequences costs more when it drafts."""
-        return self.o2 + self.o3 * n
+        """What a step of n sequences costs more when it drafts, beyond its draft forwards and its
+        validated tokens: its rest (o2 + o3 n) and its validation (v_drafted)."""
+        return (self.o2 + self.o3 * n) + self.v_drafted
 
     def draft_step_ms(self, n: int) -> float:
         """g(n): one more draft step for n sequences."""
@@ -217,7 +230,8 @@ KINDS = ("table", "linear")  # controller.config.TIME_MODELS
 def fit(rows: np.ndarray, validate_ms: np.ndarray, draft_n: np.ndarray, draft_ms: np.ndarray,
         version: int, kind: str = "linear", other: tuple | None = None,
         draft_steps: np.ndarray | None = None) -> FitReport:
-    """rows: (m, 3) features [1, Q, sum q*kv] of validate steps; draft_n / draft_ms /
+    """rows: (m, 3) features [1, Q, sum q*kv] of validate steps, or (m, 4) with a fourth, 1 where
+    the step drafted (v_drafted is fitted where rows hold both kinds, else 0); draft_n / draft_ms /
     draft_steps: batch size, time and number of draft steps of steps that drafted (steps
     omitted: times per single step); other: (tokens emitted, ms[, drafting batch size]) of
     the rest of measured steps, the batch size 0 where the step did not draft (omitted:
@@ -255,20 +269,26 @@ def other_fit(emitted: np.ndarray, ms: np.ndarray, drafting_n: np.ndarray | None
 def _fit_validate(rows, validate_ms, version: int, kind: str) -> FitReport:
     if kind not in KINDS:
         raise ValueError(f"unknown time model kind {kind!r}; expected one of {KINDS}")
+    drafted = rows[:, 3] if rows.shape[1] > 3 else np.zeros(len(rows))
+    both = bool(drafted.any()) and not bool(drafted.all())  # else v_drafted cannot be told apart: 0
+    extra = [drafted] if both else []
     if kind == "table":
         knots = doubling_knots(rows[:, 1])
-        b, kept = robust_nonneg_lstsq(np.column_stack([ramps(rows[:, 1], knots), rows[:, 2]]), validate_ms)
-        table = dict(q_knots=tuple(knots), q_ms=tuple(knot_values(b[:-1], knots)), b2=float(b[-1]))
+        b, kept = robust_nonneg_lstsq(np.column_stack([ramps(rows[:, 1], knots), rows[:, 2]] + extra), validate_ms)
+        v = float(b[-1]) if both else 0.0
+        b = b[:-1] if both else b
+        table = dict(q_knots=tuple(knots), q_ms=tuple(knot_values(b[:-1], knots)), b2=float(b[-1]), v_drafted=v)
         model = TimeModel(version, **table)
     else:
-        b, kept = robust_nonneg_lstsq(rows, validate_ms)
-        model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]))
+        b, kept = robust_nonneg_lstsq(np.column_stack([rows[:, :3]] + extra), validate_ms)
+        model = TimeModel(version, float(b[0]), float(b[1]), float(b[2]), v_drafted=float(b[3]) if both else 0.0)
     return error_report(model, rows[kept], validate_ms[kept])
 
 
 def error_report(model: TimeModel, rows: np.ndarray, validate_ms: np.ndarray) -> FitReport:
-    """model's MAE and MAPE on validate steps; rows: their features [1, Q, sum q*kv]."""
-    err = np.abs(model.validate_ms_at(rows[:, 1], rows[:, 2]) - validate_ms)
+    """model's MAE and MAPE on validate steps; rows: their features [1, Q, sum q*kv] (and drafted)."""
+    err = np.abs(model.validate_ms_at(rows[:, 1], rows[:, 2], rows[:, 3] if rows.shape[1] > 3 else None)
+                 - validate_ms)
     return FitReport(model, float(err.mean()), float((err / np.maximum(validate_ms, 1e-6)).mean()), len(validate_ms))
 
 

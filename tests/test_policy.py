@@ -195,7 +195,8 @@ def test_draft_budget_follows_acceptance_and_cost():
 
 
 def test_what_a_drafting_step_costs_beyond_its_tokens_can_stand_the_budget_down():
-    """The rest of a step that drafts costs o2 + o3 n more than a plain step's: priced in,
+    """The rest of a step that drafts costs o2 + o3 n more than a plain step's, and its validation
+    v_drafted more: priced in,
     a budget that drafted where its gain was a few percent stands down; a plain step is not
     charged it (no batch margin: the gain would not clear it)."""
     policy = _policy(batch_draft_margin=0.0)
@@ -203,7 +204,7 @@ def test_what_a_drafting_step_costs_beyond_its_tokens_can_stand_the_budget_down(
     policy.probes.hold()  # no probe
     plain = TimeModel(version=1, b0=1.0, b1=0.1, d0=0.3, d1=0.0, o0=0.15, o1=0.01)
     assert _budget(policy, plain) >= 1
-    for version, extra in enumerate((dict(o2=0.4), dict(o3=0.1)), start=2):
+    for version, extra in enumerate((dict(o2=0.4), dict(o3=0.1), dict(v_drafted=0.4)), start=2):
         costly = dataclasses.replace(plain, version=version, **extra)
         assert _budget(policy, costly) == 0, extra
     assert dataclasses.replace(plain, o2=0.4).other_ms(4) == plain.other_ms(4)

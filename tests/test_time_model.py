@@ -173,10 +173,46 @@ def test_what_drafting_adds_to_a_steps_rest_waits_for_enough_steady_drafting_ste
     assert reg.refit().model.o2 == 0.0  # one steady drafting step short
     reg.add(steady[-1:])
     measured = reg.refit().model
-    assert np.isclose(measured.drafting_extra_ms(1), 0.02, atol=0.005)  # the steady ones' extra, not the probes'
+    assert np.isclose(measured.o2 + measured.o3, 0.02, atol=0.005)  # the steady ones' extra rest, not the probes'
     reg.add(plain * (WINDOW // len(plain) + 1) + probes)  # the window holds no steady drafting step any more
     kept = reg.refit().model
     assert (kept.o2, kept.o3) == (measured.o2, measured.o3)
+
+
+def test_what_drafting_adds_to_the_validation_is_told_apart_and_outlives_the_window():
+    """A step that drafted validates dearer than a plain one at the same tokens (the draft's
+    forwards displace the target's weights): v_drafted is fitted beside f(Q), for both kinds,
+    once the window holds DRAFT_MIN_SAMPLES steps of each kind; then kept while it holds too few
+    drafting steps (a server standing down). Without the term, the fit put the extra into the
+    per-token cost."""
+    rng = np.random.default_rng(5)
+
+    def step(n, q, drafts):
+        kv = q * int(rng.integers(50, 400))
+        ms = (1.0 + 0.1 * q + 1e-4 * kv + (0.2 if drafts else 0.0)) * (1 + rng.normal(0, 0.01))
+        return StepSample(n, q, kv, ms, 2 if drafts else 0, 0.6 if drafts else 0.0, catchup_tokens=n)
+    sweep = [step(n, n * q, False) for n in (1, 4, 16) for q in range(1, 9)]
+    plain = [step(n, n, False) for n in rng.integers(1, 9, 300).tolist()]
+    drafting = [step(n, n + int(rng.integers(0, 3 * n + 1)), True) for n in rng.integers(1, 9, 300).tolist()]
+    for kind in ("linear", "table"):
+        reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1), sweep=sweep, kind=kind)
+        reg.add(plain + drafting[:DRAFT_MIN_SAMPLES - 1])
+        assert reg.refit().model.v_drafted == 0.0  # one drafting step short
+        reg.add(drafting)
+        model = reg.refit().model
+        assert abs(model.v_drafted - 0.2) < 0.03, (kind, model.v_drafted)
+        assert abs(model.validate_ms_from(4, 800) - 1.48) < 0.05, kind  # the per-token cost is the sweep's
+        assert np.isclose(model.drafting_extra_ms(4), model.o2 + 4 * model.o3 + model.v_drafted)
+        reg.add(plain * (WINDOW // len(plain) + 1))  # the window holds no drafting step any more
+        assert reg.refit().model.v_drafted == model.v_drafted, kind
+        # a batch-1 step verifying three drafts costs 0.56 ms more than a plain one (0.36 its tokens, 0.2 drafting)
+        more = model.validate_ms_from(4, 800, drafted=True) - model.validate_ms_from(1, 200)
+        assert abs(more - 0.56) < 0.05, (kind, more)
+    rows = plain + drafting
+    blind = fit(np.array([[1.0, s.q_tokens, s.kv_tokens] for s in rows]), np.array([s.validate_ms for s in rows]),
+                np.array([]), np.array([]), 0).model
+    assert blind.v_drafted == 0.0  # no drafted column: the extra spreads over every step, and drafting looks cheap
+    assert blind.validate_ms_from(4, 800) - blind.validate_ms_from(1, 200) < 0.45
 
 
 def test_a_sweep_taken_at_a_slow_moment_is_rescaled_by_the_online_steps():

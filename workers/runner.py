@@ -177,7 +177,7 @@ class ModelRunner:
         stats.num_tokens, stats.draft_steps, stats.catchup_tokens = len(ids), draft.steps, draft.catchup_tokens
         stats.draft_seqs = (len(seqs) if draft.rows is None else len(draft.rows)) if draft.steps else 0
         stats.kv_tokens = sum(q * c for q, c in zip(lens, kv))
-        stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
+        stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens, draft.steps > 0)
         outputs = self._accept(plan, seqs, draft, drafted, keep, lens, hidden, logits, stats, out is not None)
         if plan.mode == "adaptive":
             if step.wants:
