@@ -1,10 +1,11 @@
 """The validate- and draft-time models and their least-squares fits.
 
-    T_val = f(Q) + b2 * sum_i q_i * kv_i        (ms), Q = sum_i q_i
+    T_val = f(Q) + b2 * sum_i q_i * kv_i (+ v if the step drafted)
+                                                 (ms), Q = sum_i q_i
     T_draft = h(n) + m g(n)                      (ms for m >= 1 draft steps of n sequences; the
                                                   first step also catches the draft up on the
                                                   tokens accepted last step: h)
-    T_other = o0 + o1 E (+ o2 + o3 n + v if the step drafts)
+    T_other = o0 + o1 E (+ o2 + o3 n if the step drafts)
                                                  (ms per step, E tokens emitted: scheduling,
                                                   sampling, accepting, detokenizing, storing)
 

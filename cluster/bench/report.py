@@ -49,7 +49,8 @@ def markdown(result: dict) -> str:
         kind = f" ({tm['kind']})" if tm.get("kind") else ""
         rest = tm.get("rest_ms")
         rest = (f"; a step's rest {rest[0]:.3f} + {rest[1]:.4f} ms a token emitted "
-                f"(+ {rest[2]:.3f} + {rest[3]:.4f} ms a sequence where it drafts)") if rest else ""
+                f"(+ {rest[2]:.3f} + {rest[3]:.4f} ms a sequence where it drafts)"
+                + (f"; a drafting step's validation {rest[4]:.3f} ms dearer" if len(rest) > 4 else "")) if rest else ""
         notes.append(f"- validate-time model at the end: version {tm['version']}{kind}{mape}{held}{rest}")
     notes.append(f"- machine: {result.get('machine', '')}; the whole run took {result.get('elapsed_s')} s")
     return "\n".join(lines + [""] + notes) + "\n"

@@ -34,11 +34,13 @@ class TimeModelReport:
     version: int  # the newest version every rank acknowledged
     mae_ms: float | None  # error of the last fit over the points it kept
     mape: float | None
-    rest_ms: tuple | None = None  # the last fit's (o0, o1, o2, o3): a step's rest outside drafting and validation
+    # the last fit's (o0, o1, o2, o3): a step's rest outside drafting and validation; and v_drafted, what a
+    # drafting step's validation costs more
+    rest_ms: tuple | None = None
 
 
 def rest_terms(model: TimeModel) -> tuple:
-    return tuple(round(getattr(model, f), 5) for f in ("o0", "o1", "o2", "o3"))
+    return tuple(round(getattr(model, f), 5) for f in ("o0", "o1", "o2", "o3", "v_drafted"))
 
 
 class TimeModelLink(Protocol):
