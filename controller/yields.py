@@ -20,8 +20,18 @@ from controller.estimators import HALVE_AT, PRIOR_WEIGHT, Calibrator
 from controller.pending import joined
 
 
+# Batch 1's prior, in pseudo-drafts. Its steps are one request's at a time, and a bucket's first
+# drafts are a request or two's: in one engine of five warmed up alike, 57-88 first drafts accepted
+# 46-53% (the workload's 73-76%) stood batch 1 down, and stand-down probes, one position each,
+# backed off, had not moved its counts after thousands of steps (DESIGN.md section 8, probes).
+# About six requests' first drafts; bucket 0 of a server that drafts holds thousands.
+ALONE_PRIOR_WEIGHT = 256.0
+
+
 class DraftYields:
-    def __init__(self, k: int):
+    def __init__(self, k: int, prior_weight: float = PRIOR_WEIGHT):
+        """prior_weight: the prior's pseudo-drafts at every position (shares)."""
+        self.prior_weight = prior_weight
         self.drafted = np.zeros(k)
         self.verified = np.zeros(k)
         self.accepted = np.zeros(k)
@@ -66,10 +76,11 @@ class DraftYields:
                 a[full] /= 2
 
     def shares(self, prior_rates: np.ndarray) -> tuple[list[float], list[float]]:
-        """(accepted, verified) shares per position; before data (PRIOR_WEIGHT pseudo-drafts)
-        every draft verified and accepted at the product of the prior's conditional rates."""
-        accepted = (self.accepted + PRIOR_WEIGHT * np.cumprod(prior_rates)) / (self.drafted + PRIOR_WEIGHT)
-        kept = (self.verified + PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
+        """(accepted, verified) shares per position; the prior (prior_weight pseudo-drafts): every
+        draft verified and accepted at the product of the prior's conditional rates."""
+        w = self.prior_weight
+        accepted = (self.accepted + w * np.cumprod(prior_rates)) / (self.drafted + w)
+        kept = (self.verified + w) / (self.drafted + w)
         return accepted.tolist(), kept.tolist()
 
 
@@ -88,7 +99,7 @@ class YieldsByBatch:
     what the rule would have verified there. Pooled, a server's steps at 8 sequences, which
     verified little, would tell its steps at one sequence that a draft brings little, and
     its steps at one would tell those at 8 that drafts are verified. A bucket with no counts
-    yet expects the prior (DraftYields.shares)."""
+    yet expects the prior (DraftYields.shares); batch 1's weighs it ALONE_PRIOR_WEIGHT drafts."""
 
     def __init__(self, k: int):
         self.k = k
@@ -98,7 +109,7 @@ class YieldsByBatch:
         """The yields of steps of n sequences' bucket (new and empty the first time)."""
         bucket = batch_bucket(n)
         if bucket not in self.buckets:
-            self.buckets[bucket] = DraftYields(self.k)
+            self.buckets[bucket] = _new_yields(self.k, bucket)
         return self.buckets[bucket]
 
     def count_steps(self, steps: list[tuple]) -> None:
@@ -117,8 +128,13 @@ class YieldsByBatch:
 
     def shares(self, n: int, prior_rates: np.ndarray) -> tuple[list[float], list[float]]:
         """DraftYields.shares of the bucket of steps of n sequences."""
-        yields = self.buckets.get(batch_bucket(n))
-        return (yields if yields is not None else DraftYields(self.k)).shares(prior_rates)
+        bucket = batch_bucket(n)
+        yields = self.buckets.get(bucket)
+        return (yields if yields is not None else _new_yields(self.k, bucket)).shares(prior_rates)
+
+
+def _new_yields(k: int, bucket: int) -> DraftYields:
+    return DraftYields(k, ALONE_PRIOR_WEIGHT if bucket == 0 else PRIOR_WEIGHT)
 
 
 def above(values, m: int) -> list[int]:

@@ -106,3 +106,34 @@ def test_above_counts_the_values_past_each_position_on_both_paths():
         for m in (0, 1, 4, 7, 12):
             expected = [sum(v > j for v in values) for j in range(m)]
             assert above(values, m) == expected and above(np.array(values, dtype=np.int64), m) == expected
+
+
+def test_one_request_s_drafts_do_not_stand_batch_1_down():
+    """Batch 1's steps are one request's at a time, so its bucket's first drafts are a request or
+    two's. Here bucket 0 holds 100 first drafts accepted 45% (positions 1-3: 100 / 90 / 60 drafted,
+    45 / 25 / 12 accepted) while the calibrator, pooled over every batch size, reads 0.8 at each
+    position, and a draft step costs about half a plain step. Weighed against a prior of
+    ALONE_PRIOR_WEIGHT drafts, that sample still leaves drafting worth it, so the bucket keeps
+    counting (against 8, batch 1 stood down, and its probes, one position each, backed off);
+    40 times as many drafts at that rate do stand it down."""
+    from controller.one_row_step import OneRowStep
+
+    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=3, adaptive=AdaptiveConfig(enabled=True)))
+    tm = TimeModel(version=1, b0=1.0, b1=0.05, d0=0.55, d1=0.0)
+    policy.install(tm)
+    policy.probes.hold()
+    policy.calibrator.hits[:, 0], policy.calibrator.trials[:, 0] = 800, 1000
+    policy.cold = False
+    yields = policy.yields.of(1)
+
+    def budget(scale: int) -> int:
+        yields.drafted[:3] = [100 * scale, 90 * scale, 60 * scale]
+        yields.verified[:] = yields.drafted
+        yields.accepted[:3] = [45 * scale, 25 * scale, 12 * scale]
+        policy._set_rates()  # as a calibration batch does
+        step = policy.begin_step("adaptive", [200], [3], tm.version, 3)
+        assert isinstance(step, OneRowStep)
+        return step.best_m
+
+    assert budget(1) > 0
+    assert budget(40) == 0
