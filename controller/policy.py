@@ -155,6 +155,14 @@ class SpecPolicy:
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
             at = level_in(*record, self.pooled_rate, self._bounds) if n == 1 and record and self.seq_history else 0
+            if n == 1 and k and not probe and not self.seq_history:
+                # batch 1 past its stand-down point (catch-up only makes drafting dearer): as below, held
+                # (with seq_history on, the next step's sequence may stand at another level)
+                start = self.terms.stand_down_at(model, 1, k)
+                if model.b2 * float(kv[0]) >= start:
+                    if not self.cold:
+                        self._down = StandDown(version, model, 1, k, start, self.probes, batch_bucket(1))
+                    return PlainStep(self, model, kv, max_keep, k)
             if n == 1 and k and self.one_row_steps:
                 if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
                     return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning, level=at)

@@ -506,8 +506,9 @@ def test_the_budget_from_cached_terms_equals_the_formula(request, compiled, marg
 @pytest.mark.parametrize("margin", [0.0, 0.05])
 def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop(margin):
     """From the context cost StepTerms.stand_down_at gives on, the budget's formula answers 0
-    (a plain step), and begin_step answers so without its loop (a PlainStep); just below that
-    point the formula drafts: the point is where standing down begins, not a bound far past it."""
+    (a plain step), and begin_step answers so without its loop (a PlainStep; at batch 1 without
+    its OneRow); just below that point the formula drafts: the point is where standing down
+    begins, not a bound far past it."""
     rng = np.random.default_rng(1)
     tight = plain = 0
     for trial in range(150):
@@ -519,7 +520,7 @@ def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop(margi
                        d0=rng.uniform(0.05, 1), d1=rng.uniform(0, 0.05), o0=rng.uniform(0, 1), o1=rng.uniform(0, 0.05),
                        o2=rng.uniform(0, 0.3), o3=rng.uniform(0, 0.02))
         policy.install(tm)
-        n, k = int(rng.choice([2, 3, 8, 40])), int(rng.choice([3, 7]))
+        n, k = int(rng.choice([1, 2, 3, 8, 40])), int(rng.choice([3, 7]))
         at = policy.terms.stand_down_at(tm, n, k)
         assert at >= 0.0
         if not np.isfinite(at):
@@ -670,7 +671,7 @@ def test_oracle_steps_teach_the_estimators_nothing():
 def test_standing_down_step_after_step_answers_as_deciding_it_again():
     """begin_step's fast path (controller/stand_down.py) against the full path on the same
     steps: a batch whose size moves, whose sequences' contexts grow and are now and then
-    swapped for short ones, new time models and calibration batches between. Every step gets
+    swapped for short ones (down to batch 1 at times), new time models and calibration batches between. Every step gets
     the same kind of step, budget and probe, and the probe schedule counts the same, while
     most plain steps take the fast path."""
     rng = np.random.default_rng(3)
@@ -687,7 +688,7 @@ def test_standing_down_step_after_step_answers_as_deciding_it_again():
             rate = float(rng.uniform(0.4, 0.9))
             _teach(fast, rate, k=7), _teach(full, rate, k=7)
         if rng.random() < 0.02:  # a sequence finishes, or one more arrives
-            kv = kv[:-1] if len(kv) > 2 and rng.random() < 0.5 else kv + [int(rng.integers(5, 50))]
+            kv = kv[:-1] if len(kv) > 1 and rng.random() < 0.5 else kv + [int(rng.integers(5, 50))]
         if rng.random() < 0.01:  # one swapped for a shorter one: the summed context falls
             kv[int(rng.integers(len(kv)))] = int(rng.integers(5, 50))
         held = fast._down
@@ -709,3 +710,42 @@ def test_standing_down_step_after_step_answers_as_deciding_it_again():
             (full.probes.steps, full.probes.last, full.probes.every), i
         kv = [c + 1 for c in kv]
     assert plain > 2000 and fast_steps > 0.8 * plain and plain < 3950, (plain, fast_steps)
+
+
+@pytest.mark.parametrize("seq_history", [False, True])
+def test_batch_1_stands_down_on_the_fast_path_as_its_one_row_would(seq_history):
+    """One sequence whose context grows past batch 1's stand-down point: before it, its OneRow
+    decides and drafts; from it on, begin_step answers a PlainStep (its OneRow would say 0) and
+    holds that answer step after step, probes and counts as the full path. With seq_history,
+    where the next step's sequence may stand at another level, it always decides afresh."""
+    policy, full = (SpecPolicy(SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(
+        enabled=True, seq_history=seq_history))) for _ in range(2))
+    tm = TimeModel(version=1, b0=1.0, b1=0.1, b2=1e-3, d0=0.2, d1=0.01)
+    for p in (policy, full):
+        _teach(p, 0.6, k=7)
+        p.install(tm)
+    at = policy.terms.stand_down_at(tm, 1, 7)
+    assert 0.3 < at < 1.5  # drafting pays below about 680 tokens of context, not past it
+    kinds, held = [], 0
+    for kv in range(int(at / tm.b2) - 100, int(at / tm.b2) + 400):
+        down = policy._down
+        full._down = None
+        a = policy.begin_step("adaptive", [kv], [7], 1, 7)
+        b = full.begin_step("adaptive", [kv], [7], 1, 7)
+        assert (type(a), a.budget, a.probe, a.best_m) == (type(b), b.budget, b.probe, b.best_m), kv
+        one = policy.one_row(tm, 7)
+        if not a.probe:
+            assert a.best_m == one.begin(kv, 7, 7), kv  # what the OneRow says
+        kinds.append(type(a).__name__)
+        held += down is not None and policy._down is down
+        for p, step in ((policy, a), (full, b)):
+            if step.budget:
+                p.end_step(step, np.zeros((1, 0)), np.zeros((1, 0)), [0], [0])
+            else:
+                p.end_plain_step(step)
+    assert kinds[0] == "OneRowStep" and kinds.count("OneRowStep") >= 100
+    if seq_history:
+        assert "PlainStep" not in kinds and held == 0
+    else:
+        assert kinds.count("PlainStep") >= 200 and held >= 200, (kinds.count("PlainStep"), held)
+        assert "PlainStep" not in kinds[:100]  # below the point its OneRow decides

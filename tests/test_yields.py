@@ -131,9 +131,8 @@ def test_one_request_s_drafts_do_not_stand_batch_1_down():
         yields.verified[:] = yields.drafted
         yields.accepted[:3] = [45 * scale, 25 * scale, 12 * scale]
         policy._set_rates()  # as a calibration batch does
-        step = policy.begin_step("adaptive", [200], [3], tm.version, 3)
-        assert isinstance(step, OneRowStep)
-        return step.best_m
+        return policy.begin_step("adaptive", [200], [3], tm.version, 3)
 
-    assert budget(1) > 0
-    assert budget(40) == 0
+    drafts = budget(1)
+    assert isinstance(drafts, OneRowStep) and drafts.best_m > 0
+    assert budget(40).best_m == 0  # (a PlainStep: past batch 1's stand-down point)
