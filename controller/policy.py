@@ -155,25 +155,19 @@ class SpecPolicy:
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
             at = level_in(*record, self.pooled_rate, self._bounds) if n == 1 and record and self.seq_history else 0
-            if n == 1 and k and not probe and not self.seq_history:
-                # batch 1 past its stand-down point (catch-up only makes drafting dearer): as below, held
-                # (with seq_history on, the next step's sequence may stand at another level)
-                start = self.terms.stand_down_at(model, 1, k)
-                if model.b2 * float(kv[0]) >= start:
-                    if not self.cold:
-                        self._down = StandDown(version, model, 1, k, start, self.probes, batch_bucket(1))
-                    return PlainStep(self, model, kv, max_keep, k)
-            if n == 1 and k and self.one_row_steps:
-                if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
-                    return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning, level=at)
-            if n > 1 and k:
+            if k and (n > 1 or not self.seq_history):
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
-                # past the context where no draft budget beats a plain step: one, without the budget's loop
+                # past the context where no draft budget beats a plain step: one, without the budget's loop (at
+                # batch 1 before its OneRow or the rows' catch-up, which only makes drafting dearer; not with
+                # seq_history, where the next step's sequence may stand at another level)
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
                     if not self.cold:  # (a cold start's steps may probe at any step)
                         self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n))
                     return PlainStep(self, model, kv, max_keep, k)
+            if n == 1 and k and self.one_row_steps:
+                if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
+                    return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning, level=at)
         else:
             catchup, at = None, 0
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,

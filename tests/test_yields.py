@@ -126,7 +126,7 @@ def test_one_request_s_drafts_do_not_stand_batch_1_down():
     policy.cold = False
     yields = policy.yields.of(1)
 
-    def budget(scale: int) -> int:
+    def budget(scale: int):
         yields.drafted[:3] = [100 * scale, 90 * scale, 60 * scale]
         yields.verified[:] = yields.drafted
         yields.accepted[:3] = [45 * scale, 25 * scale, 12 * scale]
