@@ -1,5 +1,5 @@
-"""bench-paired: each engine on its own clock (idle time jumps to the next arrival), both
-stepped in alternation, their tokens compared; a small run writes its report."""
+"""bench-paired: each engine on its own clock (idle time jumps to the next arrival), all
+stepped in turn, their tokens compared, one copy of the weights; a small run writes its report."""
 from __future__ import annotations
 
 import json
@@ -7,15 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.bench.paired import arrivals, main, paired_round
-from tests.conftest import TEST_SIZING
+from cluster.bench.paired import arrivals, comparisons, main, paired_round, rate_point, share_engine_weights
+from tests.conftest import TEST_SIZING, greedy, local_engine, tiny_config
 
 
 class _Engine:
     """Finishes every request it holds in one step, its tokens `reply(prompt)`."""
 
-    def __init__(self, reply):
-        self.reply, self.held, self.count, self.steps = reply, [], 0, 0
+    def __init__(self, reply, log: list | None = None):
+        self.reply, self.held, self.count, self.steps, self.log = reply, [], 0, 0, log
 
     def has_work(self) -> bool:
         return bool(self.held)
@@ -27,6 +27,8 @@ class _Engine:
 
     def step(self) -> list:
         self.steps += 1
+        if self.log is not None:
+            self.log.append(self)
         out = [SimpleNamespace(request_id=r, finished=True, token_ids=self.reply(p)[:m]) for r, p, m in self.held]
         self.held = []
         return out
@@ -41,7 +43,7 @@ def test_an_idle_engine_s_clock_moves_to_the_next_arrival():
     request, and one step each in turn."""
     engines = [_Engine(lambda p: p * 2), _Engine(lambda p: p * 2)]
     rate = 0.01  # a request every 100 s on average
-    runs = paired_round(engines, SPECS, rate, seed=3, second_first=False)
+    runs = paired_round(engines, SPECS, rate, seed=3)
     last = arrivals(SPECS, rate, 3)[-1][0]
     assert last > 10.0
     for r in runs:
@@ -53,27 +55,107 @@ def test_an_idle_engine_s_clock_moves_to_the_next_arrival():
 def test_arms_that_emit_different_tokens_fail_the_round():
     engines = [_Engine(lambda p: p * 2), _Engine(lambda p: [p[0], p[1], 0])]
     with pytest.raises(RuntimeError, match="different tokens"):
-        paired_round(engines, SPECS, float("inf"), seed=0, second_first=True)
+        paired_round(engines, SPECS, float("inf"), seed=0, first=1)
+    three = [_Engine(lambda p: p * 2), _Engine(lambda p: p * 2), _Engine(lambda p: [p[0], p[1], 0])]
+    with pytest.raises(RuntimeError, match="different tokens"):  # the third arm differs from the first two
+        paired_round(three, SPECS, float("inf"), seed=0)
+
+
+def test_engines_step_in_turn_from_the_round_s_first():
+    log: list = []
+    engines = [_Engine(lambda p: p * 2, log) for _ in range(3)]
+    paired_round(engines, SPECS, 0.01, seed=1, first=1)
+    assert log[:6] == [engines[1], engines[2], engines[0]] * 2
+    assert [e.steps for e in engines] == [len(SPECS)] * 3
+
+
+def test_every_adaptive_arm_is_compared_with_every_fixed_one_and_the_best():
+    assert comparisons(["nospec", "adaptive-7"]) == [("adaptive-7", "nospec")]
+    assert comparisons(["nospec", "static-3", "adaptive-7"]) == [("adaptive-7", "nospec"), ("adaptive-7", "static-3")]
+    assert comparisons(["nospec", "static-3", "static-5"]) == [("static-3", "nospec"), ("static-5", "nospec")]
+    arms = ["nospec", "static-3", "adaptive-3", "adaptive-7"]
+    tok_s = [[100, 100, 100], [110, 90, 120], [105, 99, 118], [99, 110, 100]]  # static-3's median is the highest
+    p = rate_point(arms, tok_s, 0.5, 2.0)
+    assert p["tok_s"] == [100, 110, 105, 100] and p["best_fixed"] == "static-3"
+    assert [(r["arm"], r["over"]) for r in p["ratios"]] == [(a, f) for a in arms[2:] for f in arms[:2]]
+    over = {r["arm"]: r for r in p["over_best_fixed"]}
+    assert over["adaptive-3"]["ratios"] == [round(105 / 110, 5), 1.1, round(118 / 120, 5)]
+    assert over["adaptive-3"]["median"] == pytest.approx(118 / 120, abs=1e-5)
+    assert over["adaptive-7"]["over"] == "static-3"
+    assert "best_fixed" not in rate_point(arms[:2], tok_s[:2], 0.5, 2.0)
+
+
+def test_engines_read_one_copy_of_each_model():
+    """The target is shared by every engine, the draft (MTP module and its head) by those that
+    draft, the kernels' packed copies with them; the engines still emit the same tokens."""
+    sizing = ("speculative.adaptive.profile_on_start=false", "parallel.tp_size=1")
+    engines = [local_engine(tiny_config(*sizing, *o)) for o in
+               (["speculative.enabled=false"], ["speculative.adaptive.enabled=false"], [])]
+    try:
+        for e in engines:  # a step each, so the kernels have packed their weights
+            e.generate([[5, 6, 7, 8]], greedy(4))
+        share_engine_weights(engines)
+        mods = [e.workers.worker.runner.weight_modules() for e in engines]
+        assert set(mods[0]) == {"target"} and set(mods[1]) == set(mods[2]) == {"target", "draft", "draft_head"}
+        for i, role in ((1, "target"), (2, "target"), (2, "draft"), (2, "draft_head")):
+            src = mods[0 if role == "target" else 1][role]
+            for (name, a), b in zip(mods[i][role].state_dict(keep_vars=True).items(),
+                                    src.state_dict(keep_vars=True).values()):
+                assert a.data_ptr() == b.data_ptr(), f"{role}.{name}"
+            packed = [m.__dict__.get("_packed") for m in src.modules()]
+            assert any(packed) and [m.__dict__.get("_packed") for m in mods[i][role].modules()] == packed
+        specs = [SimpleNamespace(prompt=[5 + i, 9, 11 + i], max_tokens=6) for i in range(4)]
+        runs = paired_round(engines, specs, float("inf"), seed=0)
+        assert all(r.output_tokens() == 24 for r in runs)
+    finally:
+        for e in engines:
+            e.shutdown()
 
 
 def test_bench_paired_writes_its_report(tmp_path):
     sets = [f"--set={s}" for s in TEST_SIZING + ("parallel.tp_size=1", "speculative.adaptive.profile_on_start=false",
                                                  "bench.serve_requests=6", "bench.max_output_len=10")]
-    rc = main(["--config", "yamls/tiny.yaml", *sets, "--arms", "nospec,adaptive-3", "--rates", "0.5,1.2",
+    rc = main(["--config", "yamls/tiny.yaml", *sets, "--arms", "nospec,static-2,adaptive-3", "--rates", "0.5,1.2",
                "--rounds", "2", "--warm-rates", "0.5", "--warm-rounds", "1", "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "paired.json").read_text())
-    assert result["arms"] == ["nospec", "adaptive-3"] and result["saturation_rps"] > 0
+    assert result["arms"] == ["nospec", "static-2", "adaptive-3"] and result["saturation_rps"] > 0
+    assert result["shared_weights"] is True
     assert [p["rate_fraction"] for p in result["points"]] == [0.5, 1.2]
     for p in result["points"]:
-        assert len(p["ratios"]) == 2 and p["min"] <= p["median"] <= p["max"]
-        assert p["interval"][0] <= p["median"] <= p["interval"][1] and all(t > 0 for t in p["tok_s"])
-    assert "adaptive-3 / nospec" in (tmp_path / "paired.md").read_text()
+        assert [(r["arm"], r["over"]) for r in p["ratios"]] == [("adaptive-3", "nospec"), ("adaptive-3", "static-2")]
+        assert p["best_fixed"] in ("nospec", "static-2") and len(p["over_best_fixed"]) == 1
+        for r in p["ratios"] + p["over_best_fixed"]:
+            assert len(r["ratios"]) == 2 and r["min"] <= r["median"] <= r["max"]
+            assert r["interval"][0] <= r["median"] <= r["interval"][1]
+        assert len(p["tok_s"]) == 3 and all(t > 0 for t in p["tok_s"])
+    table = (tmp_path / "paired.md").read_text()
+    assert "adaptive-3 / static-2" in table and "adaptive-3 / best fixed" in table
     assert (tmp_path / "paired.png").stat().st_size > 5_000
 
 
 def test_bench_paired_names_bad_arguments(capsys):
     assert main(["--arms", "nospec", "--out", "/nonexistent"]) == 2
-    assert "expected two arms" in capsys.readouterr().err
+    assert "expected two or more different arms" in capsys.readouterr().err
+    assert main(["--arms", "nospec,nospec", "--out", "/nonexistent"]) == 2
+    assert "expected two or more different arms" in capsys.readouterr().err
     assert main(["--rates", "0.5,fast"]) == 2
     assert "--rates" in capsys.readouterr().err
+
+
+def test_weights_of_another_shape_are_not_shared():
+    import torch
+    from torch import nn
+
+    from models.share import share_weights
+
+    a, b = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    before = [p.data_ptr() for p in a.parameters()]
+    with pytest.raises(ValueError, match=r"1\.weight differs \(\(2, 4\) torch.float32 on cpu here, \(3, 4\)"):
+        share_weights(a, b)
+    assert [p.data_ptr() for p in a.parameters()] == before  # checked first: nothing shared
+    c = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    share_weights(a, c)
+    assert [p.data_ptr() for p in a.parameters()] == [p.data_ptr() for p in c.parameters()]
+    x = torch.randn(3, 4)
+    assert torch.equal(a(x), c(x))

@@ -92,6 +92,10 @@ class Proposer:
         """The hiddens seq holds (positions hidden_start..num_computed-1); None without the MTP module."""
         return None
 
+    def weight_modules(self) -> dict:
+        """The modules that hold the draft's own weights, by role (ModelRunner.weight_modules)."""
+        return {}
+
 
 class DraftModelProposer(Proposer):
     """A small LM replicated on every rank, with its own cache in the target's block layout."""
@@ -99,6 +103,9 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
         self.model = model
         self.cache = model.new_kv_cache(num_blocks, block_size)
+
+    def weight_modules(self) -> dict:
+        return {"draft": self.model}
 
     def begin(self, seqs: list[SeqState], block_size: int) -> torch.Tensor:
         starts = [s.draft_len for s in seqs]
@@ -139,6 +146,9 @@ class MTPProposer(Proposer):
         self.log = HiddenLog()
         # Proposer.keep and reserve are the log's own, called at every step: not a method's call around each
         self.keep, self.reserve = self.log.add, self.log.reserve
+
+    def weight_modules(self) -> dict:
+        return {"draft": self.mtp} | ({"draft_head": self.head} if self.head is not None else {})
 
     def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
         # a copy: head may be rows of the log's blocks, which are reused once trimmed

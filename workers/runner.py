@@ -44,6 +44,10 @@ class ModelRunner:
         self._marks = (0, 0, -1)  # calibration batches after the last two decode steps, the last one's time model
         self.stretches = DraftStretches()  # how long drafting lasts (controller/catchup.py), for a switch's price
 
+    def weight_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules that hold this rank's weights, by role (models/share.py shares them between engines)."""
+        return {"target": self.target} | (self.proposer.weight_modules() if self.proposer is not None else {})
+
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:

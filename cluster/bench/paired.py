@@ -1,27 +1,31 @@
-"""`adaspec bench-paired`: two of our configurations in this process, stepped in alternation
-on the same Poisson arrivals, each on its own clock. It resolves differences of a fraction of
-a percent where the served sweep's rounds spread 5-10% (bench-serve), without HTTP.
+"""`adaspec bench-paired`: several of our configurations in this process, stepped in turn on
+the same Poisson arrivals, each on its own clock. It resolves differences of a fraction of a
+percent where the served sweep's rounds spread 5-10% (bench-serve), without HTTP.
 
-    adaspec bench-paired --config yamls/bench.yaml --arms nospec,adaptive-7 --rates 0.5,1.2 --out out/paired
+    adaspec bench-paired --config yamls/bench.yaml --arms nospec,static-3,adaptive-7 --rates 0.5,1.2 --out out/paired
 
 Each arm (nospec, static-K, adaptive-K: bench-serve's) is an Engine of its own, its one rank
-in this process (TP=1). Both get the held-out requests bench-serve sends (bench.serve_requests,
-each with its reply's length as max_tokens, greedy, EOS honoured), arriving as a seeded
-Poisson process. Each engine keeps its own clock: the time its steps took, moved on to the
-next arrival when it has nothing to do, so it sees the arrivals a server at that rate would,
-at its own speed. One step of one engine, then one of the other (which goes first alternates
-by round), so the machine's drift falls on both alike. A round's throughput is its output
-tokens over its clock at the last completion; a rate's point is the median over rounds of
-the second arm's throughput over the first's, with the 95% interval of that median. Rates
-are fractions of the first arm's saturation, measured first (every request at once).
-Before measuring, both engines serve --warm-rounds rounds at each of --warm-rates (a
-server's history: its time-model refits, calibration, probe back-offs). Both arms must
-emit the same tokens (greedy): a round where they differ is an error.
+in this process (TP=1), all reading one copy of the weights as one server would
+(--separate-weights: a copy each). All get the held-out requests bench-serve sends
+(bench.serve_requests, each with its reply's length as max_tokens, greedy, EOS honoured),
+arriving as a seeded Poisson process. Each engine keeps its own clock: the time its steps
+took, moved on to the next arrival when it has nothing to do, so it sees the arrivals a
+server at that rate would, at its own speed. One step of each engine in turn (which goes
+first rotates by round), so the machine's drift falls on all alike. A round's throughput is
+its output tokens over its clock at the last completion. A rate reports each adaptive arm over
+each fixed arm (or, without both kinds, each arm over the first): the median over rounds of
+the per-round ratio, with the 95% interval of that median; and each adaptive arm over the
+fixed arm of the highest median there (best fixed). Rates are fractions of the first arm's
+saturation, measured first (every request at once; `inf` runs a rate that way). Before
+measuring, every engine serves --warm-rounds rounds at each of --warm-rates (a server's
+history: its time-model refits, calibration, probe back-offs). All arms must emit the same
+tokens (greedy): a round where they differ is an error.
 Writes paired.json, paired.md and paired.png.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -30,6 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cluster.bench.paired_report import markdown, plot
 from cluster.bench.results import write_report
 from cluster.bench.servers import arm_overrides
 from cluster.bench.stats import median, ratio_summary
@@ -77,79 +82,85 @@ def arrivals(specs: list, rate: float, seed: int) -> list[tuple[float, object]]:
     return out
 
 
-def paired_round(engines: list, specs: list, rate: float, seed: int, second_first: bool) -> list[Clocked]:
-    """One round of both engines, a step of each in turn; their throughputs are tokens / clock."""
+def paired_round(engines: list, specs: list, rate: float, seed: int, first: int = 0) -> list[Clocked]:
+    """One round of every engine, one step of each in turn starting with engines[first];
+    their throughputs are tokens / clock."""
     runs = [Clocked(e, arrivals(specs, rate, seed)) for e in engines]
-    order = runs[::-1] if second_first else runs
+    order = runs[first:] + runs[:first]
     while not all(r.done() for r in runs):
         for r in order:
             if not r.done():
                 r.step()
-    a, b = ([r.tokens[i] for i in r.ids] for r in runs)
-    if a != b:
+    emitted = [[r.tokens[i] for i in r.ids] for r in runs]
+    if any(e != emitted[0] for e in emitted[1:]):
         raise RuntimeError(f"round {seed}: the arms emitted different tokens for the same greedy requests")
     return runs
 
 
-def sweep(engines: list, specs: list, rates: list[float], rounds: int, warm_rates: list[float],
+def comparisons(arms: list[str]) -> list[tuple[str, str]]:
+    """(arm, over) pairs a rate reports: every adaptive arm over every fixed one (nospec, static-K), or,
+    where the arms hold no adaptive or no fixed arm, every arm over the first."""
+    adaptive = [a for a in arms if a.startswith("adaptive")]
+    fixed = [a for a in arms if a not in adaptive]
+    if adaptive and fixed:
+        return [(a, f) for a in adaptive for f in fixed]
+    return [(a, arms[0]) for a in arms[1:]]
+
+
+def rate_point(arms: list[str], tok_s: list[list[float]], frac: float, rate: float) -> dict:
+    """A rate's medians, and each comparison's per-round ratios with their median and interval;
+    with fixed and adaptive arms also each adaptive arm over the fixed arm of the highest median."""
+    def ratio(a: str, over: str) -> dict:
+        x, y = tok_s[arms.index(a)], tok_s[arms.index(over)]
+        ratios = [p / q for p, q in zip(x, y)]
+        mid, interval = ratio_summary(x, y)
+        return {"arm": a, "over": over, "ratios": [round(v, 5) for v in ratios], "median": round(mid, 5),
+                "interval": [round(v, 5) for v in interval], "min": round(min(ratios), 5),
+                "max": round(max(ratios), 5)}
+
+    medians = [median(v) for v in tok_s]
+    point = {"rate_fraction": frac, "rate": round(rate, 4) if math.isfinite(rate) else None,
+             "tok_s": [round(m, 2) for m in medians], "ratios": [ratio(a, over) for a, over in comparisons(arms)]}
+    fixed = [a for a in arms if not a.startswith("adaptive")]
+    if len(fixed) < len(arms) and fixed:
+        best = max(fixed, key=lambda a: medians[arms.index(a)])
+        point["best_fixed"] = best
+        point["over_best_fixed"] = [ratio(a, best) for a in arms if a.startswith("adaptive")]
+    return point
+
+
+def sweep(engines: list, arms: list[str], specs: list, rates: list[float], rounds: int, warm_rates: list[float],
           warm_rounds: int, seed: int) -> dict:
-    base = paired_round(engines, specs, float("inf"), seed, False)[0]
+    n = len(engines)
+    base = paired_round(engines, specs, float("inf"), seed)[0]
     sat_rps = len(specs) / base.clock
     for i, frac in enumerate(tqdm(warm_rates, desc="warm-up", mininterval=2)):
         for j in range(warm_rounds):
-            paired_round(engines, specs, frac * sat_rps, seed + 1000 * (i + 1) + j, j % 2 == 1)
+            paired_round(engines, specs, frac * sat_rps, seed + 1000 * (i + 1) + j, j % n)
     points = []
     for i, frac in enumerate(rates):
-        tok_s = [[], []]
+        tok_s = [[] for _ in engines]
         for j in tqdm(range(rounds), desc=f"{frac:.0%} of saturation", mininterval=2, leave=False):
-            runs = paired_round(engines, specs, frac * sat_rps, seed + 100_000 + 1000 * i + j, j % 2 == 1)
+            runs = paired_round(engines, specs, frac * sat_rps, seed + 100_000 + 1000 * i + j, j % n)
             for got, r in zip(tok_s, runs):
                 got.append(r.output_tokens() / r.clock)
-        ratios = [b / a for a, b in zip(*tok_s)]
-        mid, interval = ratio_summary(tok_s[1], tok_s[0])
-        points.append({"rate_fraction": frac, "rate": round(frac * sat_rps, 4), "ratios": [round(x, 5) for x in ratios],
-                       "median": round(mid, 5), "interval": [round(x, 5) for x in interval],
-                       "min": round(min(ratios), 5), "max": round(max(ratios), 5),
-                       "tok_s": [round(median(v), 2) for v in tok_s]})
+        points.append(rate_point(arms, tok_s, frac, frac * sat_rps))
     return {"saturation_rps": round(sat_rps, 4), "points": points}
 
 
-def markdown(result: dict) -> str:
-    first, second = result["arms"]
-    lines = [f"{second} over {first}, output tok/s on each engine's own clock, stepped in alternation "
-             f"({result['rounds']} rounds a rate, {result['requests']} requests a round, after "
-             f"{result['warm_rounds']} warm-up round(s) at each of {result['warm_rates']} of saturation; "
-             f"saturation {result['saturation_rps']} req/s):", "",
-             f"| of saturation | {first} tok/s | {second} tok/s | {second} / {first}, median [min, max] | "
-             "95% interval |", "|---|---|---|---|---|"]
-    for p in result["points"]:
-        lines.append(f"| {p['rate_fraction']:.0%} | {p['tok_s'][0]} | {p['tok_s'][1]} | {p['median']:.4f} "
-                     f"[{p['min']:.4f}, {p['max']:.4f}] | [{p['interval'][0]:.4f}, {p['interval'][1]:.4f}] |")
-    return "\n".join(lines) + "\n"
+def share_engine_weights(engines: list) -> None:
+    """Every engine reads one copy of each model (the first engine's that holds it), as one server
+    would: stepped in turn, engines with copies of their own would each find the caches full of
+    the others' weights (models/share.py)."""
+    from models.share import share_weights
 
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pts = result["points"]
-    x = [100 * p["rate_fraction"] for p in pts]
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.errorbar(x, [p["median"] for p in pts], yerr=[[p["median"] - p["interval"][0] for p in pts],
-                                                      [p["interval"][1] - p["median"] for p in pts]],
-                fmt="o-", capsize=3, label="median, 95% interval")
-    ax.plot(x, [p["min"] for p in pts], "v", color="grey", ms=4, label="min / max round")
-    ax.plot(x, [p["max"] for p in pts], "^", color="grey", ms=4)
-    ax.set_xlabel("request rate, % of saturation")
-    ax.set_ylabel(f"{result['arms'][1]} / {result['arms'][0]}")
-    ax.set_title("paired engines, output tok/s ratio", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    held: dict[str, object] = {}
+    for engine in engines:
+        for role, module in engine.workers.worker.runner.weight_modules().items():
+            if role in held:
+                share_weights(module, held[role])
+            else:
+                held[role] = module
 
 
 def _fractions(text: str, name: str, empty_ok: bool = False) -> list[float]:
@@ -166,11 +177,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="adaspec bench-paired", description=__doc__,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
-    p.add_argument("--arms", default="nospec,adaptive-7", help="two arms: the reference, then the one compared")
-    p.add_argument("--rates", default="0.5,1.0,1.2", help="comma-separated fractions of saturation")
+    p.add_argument("--arms", default="nospec,adaptive-7",
+                   help="two or more arms (nospec, static-K, adaptive-K); see comparisons() for the ratios reported")
+    p.add_argument("--rates", default="0.5,1.0,1.2",
+                   help="comma-separated fractions of saturation (inf: every request at once)")
     p.add_argument("--rounds", type=int, default=5, help="paired rounds per rate")
     p.add_argument("--warm-rates", default="0.1,0.25,0.5,0.75,1.0", help="fractions served first, untimed")
     p.add_argument("--warm-rounds", type=int, default=2, help="rounds at each warm-up rate")
+    p.add_argument("--separate-weights", action="store_true",
+                   help="each engine keeps its own copy of the weights (default: one copy, as one server holds)")
     p.add_argument("--out", default="out/bench-paired", help="directory for paired.json, .md and .png")
     return p
 
@@ -181,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster.engine.core import Engine
 
     arms = [a.strip() for a in args.arms.split(",")]
-    if len(arms) != 2:
-        raise ValueError(f"--arms {args.arms!r}: expected two arms, the reference and the one compared")
+    if len(arms) < 2 or len(set(arms)) != len(arms):
+        raise ValueError(f"--arms {args.arms!r}: expected two or more different arms")
     rates, warm = _fractions(args.rates, "--rates"), _fractions(args.warm_rates, "--warm-rates", empty_ok=True)
     if args.rounds < 1 or args.warm_rounds < 0:
         raise ValueError("--rounds must be at least 1 and --warm-rounds at least 0")
@@ -193,13 +208,16 @@ def run(args: argparse.Namespace) -> int:
     engines = []
     try:
         engines = [Engine(c) for c in cfgs]
+        if not args.separate_weights:
+            share_engine_weights(engines)
         specs = workload(engines[0].tokenizer, cfgs[0].bench)
         started = time.perf_counter()
-        result = sweep(engines, specs, rates, args.rounds, warm, args.warm_rounds, cfgs[0].bench.seed)
+        result = sweep(engines, arms, specs, rates, args.rounds, warm, args.warm_rounds, cfgs[0].bench.seed)
     finally:
         for e in engines:
             e.shutdown()
-    result.update(arms=arms, rounds=args.rounds, requests=len(specs), warm_rates=warm, warm_rounds=args.warm_rounds,
+    result.update(arms=arms, shared_weights=not args.separate_weights, rounds=args.rounds, requests=len(specs),
+                  warm_rates=warm, warm_rounds=args.warm_rounds,
                   elapsed_s=round(time.perf_counter() - started, 1))
     table = markdown(result)
     write_report(Path(args.out), "paired", result, table)
