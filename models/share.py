@@ -27,7 +27,7 @@ def share_weights(dst: nn.Module, src: nn.Module) -> None:
         s = src_mods[name]
         mine = dict(d.named_parameters(recurse=False)) | dict(d.named_buffers(recurse=False))
         theirs = dict(s.named_parameters(recurse=False)) | dict(s.named_buffers(recurse=False))
-        for key in mine.keys() | theirs.keys():
+        for key in list(mine) + [k for k in theirs if k not in mine]:  # (in order: the same error every run)
             a, b = mine.get(key), theirs.get(key)
             if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
                 raise ValueError(f"cannot share weights: {name or '<root>'}.{key} differs "

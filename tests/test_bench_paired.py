@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.bench.paired import arrivals, comparisons, main, paired_round, rate_point, share_engine_weights
+from cluster.bench.paired import (arrivals, comparisons, groups, main, paired_round, rate_point, share_engine_weights,
+                                  sweep)
 from tests.conftest import TEST_SIZING, greedy, local_engine, tiny_config
 
 
@@ -74,15 +75,37 @@ def test_every_adaptive_arm_is_compared_with_every_fixed_one_and_the_best():
     assert comparisons(["nospec", "static-3", "adaptive-7"]) == [("adaptive-7", "nospec"), ("adaptive-7", "static-3")]
     assert comparisons(["nospec", "static-3", "static-5"]) == [("static-3", "nospec"), ("static-5", "nospec")]
     arms = ["nospec", "static-3", "adaptive-3", "adaptive-7"]
-    tok_s = [[100, 100, 100], [110, 90, 120], [105, 99, 118], [99, 110, 100]]  # static-3's median is the highest
-    p = rate_point(arms, tok_s, 0.5, 2.0)
-    assert p["tok_s"] == [100, 110, 105, 100] and p["best_fixed"] == "static-3"
-    assert [(r["arm"], r["over"]) for r in p["ratios"]] == [(a, f) for a in arms[2:] for f in arms[:2]]
-    over = {r["arm"]: r for r in p["over_best_fixed"]}
-    assert over["adaptive-3"]["ratios"] == [round(105 / 110, 5), 1.1, round(118 / 120, 5)]
-    assert over["adaptive-3"]["median"] == pytest.approx(118 / 120, abs=1e-5)
-    assert over["adaptive-7"]["over"] == "static-3"
-    assert "best_fixed" not in rate_point(arms[:2], tok_s[:2], 0.5, 2.0)
+    tok_s = [[100, 100, 100], [110, 90, 120], [105, 99, 118], [99, 110, 100]]
+    for schedule in ("all", "pairs"):
+        together = groups(arms, schedule)
+        # every arm measured alike in every group: the pairs' points equal the all-together one's
+        measured = {g: [tok_s[arms.index(a)] for a in g] for g in together}
+        p = rate_point(arms, measured, 0.5, 2.0)
+        assert p["tok_s"] == [100, 110, 105, 100]
+        assert [(r["arm"], r["over"]) for r in p["ratios"]] == [(a, f) for a in arms[2:] for f in arms[:2]]
+        over = {r["arm"]: r for r in p["over_best_fixed"]}
+        assert over["adaptive-3"]["over"] == "static-3"  # 105/110 .. 118/120: median 0.983; over nospec 1.05
+        assert over["adaptive-3"]["ratios"] == [round(105 / 110, 5), 1.1, round(118 / 120, 5)]
+        assert over["adaptive-3"]["median"] == pytest.approx(118 / 120, abs=1e-5)
+        # over nospec 0.99 / 1.1 / 1.0 (median 1.0), over static-3 0.9 / 1.222 / 0.833 (median 0.9)
+        assert over["adaptive-7"]["over"] == "static-3" and over["adaptive-7"]["median"] == pytest.approx(0.9)
+    assert groups(arms, "all") == [tuple(arms)]
+    assert groups(arms, "pairs") == [("adaptive-3", "nospec"), ("adaptive-3", "static-3"), ("adaptive-7", "nospec"),
+                                     ("adaptive-7", "static-3")]
+    assert "over_best_fixed" not in rate_point(arms[:2], {tuple(arms[:2]): tok_s[:2]}, 0.5, 2.0)
+    with pytest.raises(ValueError, match="unknown schedule 'some'"):
+        groups(arms, "some")
+
+
+def test_each_pair_runs_on_its_own():
+    """With pairs, a round runs the adaptive arm once with each fixed arm, never the fixed arms together."""
+    engines = {a: _Engine(lambda p: p * 2) for a in ("nospec", "static-3", "adaptive-3")}
+    result = sweep(engines, list(engines), SPECS, [0.5], rounds=2, warm_rates=[], warm_rounds=0, seed=0)
+    # the saturation round with every arm, then two rounds of two pairs
+    assert [e.count for e in engines.values()] == [3 * len(SPECS), 3 * len(SPECS), 5 * len(SPECS)]
+    (point,) = result["points"]
+    assert [(r["arm"], r["over"], len(r["ratios"])) for r in point["ratios"]] == [("adaptive-3", "nospec", 2),
+                                                                                   ("adaptive-3", "static-3", 2)]
 
 
 def test_engines_read_one_copy_of_each_model():
@@ -120,11 +143,11 @@ def test_bench_paired_writes_its_report(tmp_path):
     assert rc == 0
     result = json.loads((tmp_path / "paired.json").read_text())
     assert result["arms"] == ["nospec", "static-2", "adaptive-3"] and result["saturation_rps"] > 0
-    assert result["shared_weights"] is True
+    assert result["shared_weights"] is True and result["schedule"] == "pairs"
     assert [p["rate_fraction"] for p in result["points"]] == [0.5, 1.2]
     for p in result["points"]:
         assert [(r["arm"], r["over"]) for r in p["ratios"]] == [("adaptive-3", "nospec"), ("adaptive-3", "static-2")]
-        assert p["best_fixed"] in ("nospec", "static-2") and len(p["over_best_fixed"]) == 1
+        assert len(p["over_best_fixed"]) == 1 and p["over_best_fixed"][0]["over"] in ("nospec", "static-2")
         for r in p["ratios"] + p["over_best_fixed"]:
             assert len(r["ratios"]) == 2 and r["min"] <= r["median"] <= r["max"]
             assert r["interval"][0] <= r["median"] <= r["interval"][1]

@@ -20,14 +20,13 @@ def markdown(result: dict) -> str:
     best = points and "over_best_fixed" in points[0]
     if best:
         names += [f"{r['arm']} / best fixed" for r in points[0]["over_best_fixed"]]
-    lines += ["", "Per-round ratios: median [95% interval]" + (", and the fixed arm of the highest median at that "
-                                                                "rate (best fixed)" if best else "") + ":", "",
-              "| of saturation | " + " | ".join(names) + (" | best fixed |" if best else " |"),
-              "|---|" + "---|" * (len(names) + bool(best))]
+    pairs = "each pair of arms stepped on its own" if result.get("schedule") == "pairs" else "all arms stepped together"
+    lines += ["", f"Per-round ratios ({pairs}): median [95% interval]" +
+              (", and each adaptive arm over the fixed arm it compares worst with (best fixed, named)" if best else "")
+              + ":", "", "| of saturation | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for p in points:
-        cells = [_cell(r) for r in p["ratios"] + p.get("over_best_fixed", [])]
-        tail = f" | {p['best_fixed']} |" if best else " |"
-        lines.append(f"| {p['rate_fraction']:.0%} | " + " | ".join(cells) + tail)
+        cells = [_cell(r) for r in p["ratios"]] + [f"{_cell(r)} ({r['over']})" for r in p.get("over_best_fixed", [])]
+        lines.append(f"| {p['rate_fraction']:.0%} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
