@@ -1,11 +1,16 @@
 """bench-paired's report: paired.md (each arm's tok/s and each comparison's ratio per rate) and paired.png."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 
 def _cell(r: dict) -> str:
     return f"{r['median']:.4f} [{r['interval'][0]:.4f}, {r['interval'][1]:.4f}]"
+
+
+def rate_label(frac: float) -> str:
+    return f"{frac:.0%}" if math.isfinite(frac) else "all at once"
 
 
 def markdown(result: dict) -> str:
@@ -15,7 +20,7 @@ def markdown(result: dict) -> str:
              f"of {result['warm_rates']} of saturation; saturation {result['saturation_rps']} req/s):", "",
              "| of saturation | " + " | ".join(f"{a} tok/s" for a in arms) + " |",
              "|---|" + "---|" * len(arms)]
-    lines += [f"| {p['rate_fraction']:.0%} | " + " | ".join(str(t) for t in p["tok_s"]) + " |" for p in points]
+    lines += [f"| {rate_label(p['rate_fraction'])} | " + " | ".join(str(t) for t in p["tok_s"]) + " |" for p in points]
     names = [f"{r['arm']} / {r['over']}" for r in points[0]["ratios"]] if points else []
     best = points and "over_best_fixed" in points[0]
     if best:
@@ -26,7 +31,7 @@ def markdown(result: dict) -> str:
               + ":", "", "| of saturation | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for p in points:
         cells = [_cell(r) for r in p["ratios"]] + [f"{_cell(r)} ({r['over']})" for r in p.get("over_best_fixed", [])]
-        lines.append(f"| {p['rate_fraction']:.0%} | " + " | ".join(cells) + " |")
+        lines.append(f"| {rate_label(p['rate_fraction'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -37,7 +42,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     pts = result["points"]
-    x = [100 * p["rate_fraction"] for p in pts]
+    x = list(range(len(pts)))  # one place per rate, named below (`inf`, every request at once, has no place on a scale)
     series = [(f"{r['arm']} / {r['over']}", i, "ratios") for i, r in enumerate(pts[0]["ratios"])]
     series += [(f"{r['arm']} / best fixed", i, "over_best_fixed")
                for i, r in enumerate(pts[0].get("over_best_fixed", []))]
@@ -45,12 +50,14 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     for j, (label, i, key) in enumerate(series):
         rs = [p[key][i] for p in pts]
-        shift = [v + 1.2 * (j - (len(series) - 1) / 2) for v in x]  # side by side, not on top of each other
+        shift = [v + 0.06 * (j - (len(series) - 1) / 2) for v in x]  # side by side, not on top of each other
         ax.errorbar(shift, [r["median"] for r in rs], yerr=[[r["median"] - r["interval"][0] for r in rs],
                                                              [r["interval"][1] - r["median"] for r in rs]],
                     fmt="o-" if key == "ratios" else "s--", capsize=3, ms=4, label=label,
                     lw=2 if key == "over_best_fixed" else 1)
-    ax.set_xlabel("request rate, % of saturation")
+    ax.set_xticks(x, [rate_label(p["rate_fraction"]) for p in pts])
+    ax.set_xlim(-0.5, len(pts) - 0.5)
+    ax.set_xlabel("request rate, of saturation")
     ax.set_ylabel("output tok/s ratio (median, 95% interval)")
     ax.set_title("engines stepped in turn", fontsize=10)
     ax.legend(fontsize=7)
