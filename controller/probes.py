@@ -56,7 +56,6 @@ class ProbeSchedule:
         self.drafting = 0  # adaptive steps that would draft, no probe among them
         self.plain = 0  # plain probes
         self.plain_every = PLAIN_EVERY
-        self.max_every = PROBE_MAX_EVERY
 
     def due(self, n: int, cold: bool = False) -> bool:
         """Does the next adaptive step, of n sequences, probe? (Counted as one if so.)
@@ -79,7 +78,7 @@ class ProbeSchedule:
     def found(self, n: int, pays: bool) -> None:
         """A probe at n sequences found that drafting pays (its budget drafted) or not."""
         b = batch_bucket(n)
-        self.every[b] = PROBE_EVERY if pays else min(self.max_every, self.every[b] * 2)
+        self.every[b] = PROBE_EVERY if pays else min(PROBE_MAX_EVERY, self.every[b] * 2)
 
     def every_at(self, n: int) -> int:
         """Steps between probes at n sequences now."""

@@ -110,6 +110,9 @@ def comparisons(arms: list[str]) -> list[tuple[str, str]]:
     return [(a, arms[0]) for a in arms[1:]]
 
 
+SCHEDULES = ("pairs", "all")
+
+
 def groups(arms: list[str], schedule: str) -> list[tuple[str, ...]]:
     """The arms stepped together in a round: all of them, or each comparison's two (`pairs`:
     every further engine stepped in turn makes every step find the caches colder, and in a run
@@ -117,9 +120,6 @@ def groups(arms: list[str], schedule: str) -> list[tuple[str, ...]]:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
     return [tuple(arms)] if schedule == "all" else list(dict.fromkeys(comparisons(arms)))
-
-
-SCHEDULES = ("pairs", "all")
 
 
 def rate_point(arms: list[str], measured: dict, frac: float, rate: float) -> dict:
@@ -244,8 +244,7 @@ def run(args: argparse.Namespace) -> int:
         for e in engines:
             e.shutdown()
     result.update(arms=arms, schedule=args.schedule, shared_weights=not args.separate_weights, rounds=args.rounds,
-                  requests=len(specs),
-                  warm_rates=warm, warm_rounds=args.warm_rounds,
+                  requests=len(specs), warm_rates=warm, warm_rounds=args.warm_rounds,
                   elapsed_s=round(time.perf_counter() - started, 1))
     table = markdown(result)
     write_report(Path(args.out), "paired", result, table)
