@@ -3,6 +3,7 @@ stepped in turn, their tokens compared, one copy of the weights; a small run wri
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +18,13 @@ class _Engine:
 
     def __init__(self, reply, log: list | None = None):
         self.reply, self.held, self.count, self.steps, self.log = reply, [], 0, 0, log
+        self.idles = 0
 
     def has_work(self) -> bool:
         return bool(self.held)
+
+    def idle(self) -> None:
+        self.idles += 1
 
     def add_request(self, prompt, params) -> str:
         self.count += 1
@@ -51,6 +56,25 @@ def test_an_idle_engine_s_clock_moves_to_the_next_arrival():
         assert last <= r.clock < last + 0.5
         assert r.output_tokens() == 3 * len(SPECS) and len(r.ids) == len(SPECS)
     assert engines[0].steps == engines[1].steps == len(SPECS)
+
+
+def test_an_engine_does_its_idle_work_in_each_gap_off_its_clock():
+    """A server's loop calls Engine.idle when nothing is left to step and nothing has arrived
+    (the registry's refits wait for it): each engine does so once per gap between arrivals,
+    its clock not moved by it, and never where every request arrives at once."""
+    class Slow(_Engine):
+        def idle(self) -> None:
+            super().idle()
+            time.sleep(0.05)
+
+    engines = [Slow(lambda p: p * 2), _Engine(lambda p: p * 2)]
+    rate = 0.01  # a request every 100 s on average: every arrival after the first comes in a gap
+    runs = paired_round(engines, SPECS, rate, seed=3)
+    assert [e.idles for e in engines] == [len(SPECS)] * 2  # (the first arrival's wait is a gap too)
+    assert runs[0].clock < arrivals(SPECS, rate, 3)[-1][0] + 0.04  # 0.3 s of idle work left off the clock
+    at_once = [_Engine(lambda p: p * 2), _Engine(lambda p: p * 2)]
+    paired_round(at_once, SPECS, float("inf"), seed=3)
+    assert [e.idles for e in at_once] == [0, 0]
 
 
 def test_arms_that_emit_different_tokens_fail_the_round():

@@ -10,8 +10,10 @@ in this process (TP=1), all reading one copy of the weights as one server would
 (bench.serve_requests, each with its reply's length as max_tokens, greedy, EOS honoured),
 arriving as a seeded Poisson process. Each engine keeps its own clock: the time its steps
 took, moved on to the next arrival when it has nothing to do, so it sees the arrivals a
-server at that rate would, at its own speed. The engines compared are stepped in turn, one
-step each (which goes first rotates by round), so the machine's drift falls on all alike:
+server at that rate would, at its own speed; in each idle gap it does what a server's loop
+does there (Engine.idle: the time-model registry's buffered samples and refits), off its
+clock. The engines compared are stepped in turn, one step each (which goes first rotates
+by round), so the machine's drift falls on all alike:
 each comparison's two on their own (--schedule pairs, the default), or every arm together
 (--schedule all: fewer rounds to run, but each further engine leaves the caches colder for
 the next). A round's throughput is its output tokens over its clock at the last completion.
@@ -61,6 +63,8 @@ class Clocked:
     def step(self) -> None:
         engine, arrivals = self.engine, self.arrivals
         if not engine.has_work():  # idle: its clock moves on to the next arrival
+            if arrivals[self.next][0] > self.clock:  # a gap before it: a server's idle work, off the clock
+                engine.idle()
             self.clock = max(self.clock, arrivals[self.next][0])
         while self.next < len(arrivals) and arrivals[self.next][0] <= self.clock:
             spec = arrivals[self.next][1]
