@@ -34,6 +34,12 @@ offline) had none of the plain ones, o0 took the extra in, a plain step looked a
 a drafting one, and the budget drafted at batch 2 where plain decoding was faster.
 One step in 128 gives up what drafting gains there (about 0.1% at batch 1) and keeps 32
 plain steps in the registry's window.
+
+A plain probe is a stretch of PLAIN_RUN plain steps: the last PLAIN_RUN of every
+PLAIN_EVERY * PLAIN_RUN steps that would draft (the same share). A plain step right after
+drafting validates dearer than plain decoding's (samples.SETTLE_STEPS), so single plain
+probes had priced a plain step at what it costs among drafting steps; the stretch's steps
+past the first SETTLE_STEPS say what it costs once the step stops drafting.
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ from controller.yields import BUCKETS, batch_bucket
 
 PROBE_EVERY = 32  # a bucket's steps probe every 32 adaptive steps ...
 PROBE_MAX_EVERY = 4096  # ... backing off (doubling) while its probes keep finding that drafting does not pay
-PLAIN_EVERY = 128  # every 128th adaptive step that would draft runs plain (a plain probe)
+PLAIN_EVERY = 128  # one in 128 adaptive steps that would draft runs plain (a plain probe) ...
+PLAIN_RUN = 8  # ... in stretches of this many (more than samples.SETTLE_STEPS)
 
 
 class ProbeSchedule:
@@ -68,9 +75,10 @@ class ProbeSchedule:
         return True
 
     def plain_due(self) -> bool:
-        """An adaptive step that would draft (no probe): does it run plain? (Counted if so.)"""
+        """An adaptive step that would draft (no probe): does it run plain? (Counted if so.) The last
+        PLAIN_RUN of every PLAIN_EVERY * PLAIN_RUN such steps do."""
         self.drafting += 1
-        if self.drafting % self.plain_every:
+        if (self.drafting + PLAIN_RUN - 1) % (self.plain_every * PLAIN_RUN) >= PLAIN_RUN:
             return False
         self.plain += 1
         return True

@@ -21,7 +21,7 @@ import numpy as np
 
 from controller.catchup import catchup_ms
 from controller.samples import (CATCHUP_TOKENS, DRAFT_MS, DRAFT_SEQS, DRAFT_STEPS, EMITTED, KV_TOKENS, NUM_SEQS,
-                                ONE_OFF, OTHER_MS, Q_TOKENS, VALIDATE_MS, SampleColumns, StepSample)
+                                ONE_OFF, OTHER_MS, Q_TOKENS, SETTLING, VALIDATE_MS, SampleColumns, StepSample)
 from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape
 from controller.yields import BUCKETS, batch_bucket
 
@@ -32,6 +32,7 @@ ERROR_GROWTH = 2.0  # refit early when recent MAPE exceeds this multiple of the 
 SPEED_WINDOW = 512  # the latest online validate steps that say how fast the machine runs now ...
 SPEED_MIN_SAMPLES = RECENT  # ... once there are this many of them
 SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
+PLAIN_MIN_SAMPLES = 16  # settled plain steps in the window that say how fast plain decoding runs now
 DRAFT_MIN_SAMPLES = 16  # steady online draft steps that say how much dearer the draft runs in the engine
 SAME_FIT = 0.05  # a scheduled refit whose model predicts the recent steps within this of the last one's ...
 SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every
@@ -58,6 +59,7 @@ class ProfileRegistry:
         # what a drafting step's validation costs more (TimeModel.v_drafted), last measured where the window held
         # DRAFT_MIN_SAMPLES validate steps that drafted and as many that did not (standing down, none draft)
         self._v_drafted = 0.0
+        self._plain_speed: float | None = None  # sweep_speed as last measured on settled plain steps
         self._online = SampleColumns(size=WINDOW)
         self.recent_err: deque[float] = deque(maxlen=RECENT)
         self.since_fit = 0
@@ -79,6 +81,7 @@ class ProfileRegistry:
         validated = [s for s in samples if s.q_tokens]
         model = self.model
         rows = self._online.extend(validated)[-RECENT:]  # only the latest RECENT errors are kept
+        rows = rows[rows[:, SETTLING] == 0]  # (a settling plain step is no plain step's cost: not fitted either)
         if len(rows):  # each step's error, in a few array operations (not a prediction per sample)
             measured = rows[:, VALIDATE_MS]
             predicted = model.validate_ms_at(rows[:, Q_TOKENS], rows[:, KV_TOKENS], rows[:, DRAFT_STEPS] > 0)
@@ -126,11 +129,16 @@ class ProfileRegistry:
 
     def sweep_speed(self) -> float:
         """How much slower (> 1) or faster the machine runs now than during the startup
-        sweep: the median, over the latest online validate steps, of their time over what
-        the sweep's own fit predicts (1.0 before there are enough of them): of the steps that
-        did not draft where there are enough of those (a step that drafted validates dearer:
-        TimeModel.v_drafted, which the refit tells apart only against a sweep at the speed of
-        the plain steps).
+        sweep: the median, over online validate steps, of their time over what the sweep's own
+        fit predicts. Over the latest SPEED_WINDOW settled plain steps in the window where it
+        holds PLAIN_MIN_SAMPLES of them (a step that drafted validates dearer: TimeModel.v_drafted,
+        which the refit tells apart only against a sweep at the speed of plain decoding; and so
+        does a plain step still settling after drafting, StepSample.settling), and remembered;
+        with too few, as last so measured; before any, over the latest SPEED_WINDOW validate
+        steps (1.0 before SPEED_MIN_SAMPLES of them). A batch that drafts has its plain steps
+        from its plain probes' stretches, a few settled ones in every PLAIN_EVERY * PLAIN_RUN
+        steps (controller/probes.py): measured against its drafting steps, a plain step had
+        been priced at what it costs among them.
 
         A refit scales the sweep's validate and draft times by it. Online validate steps
         come at every step, online draft steps only while drafting pays; without the
@@ -138,14 +146,23 @@ class ProfileRegistry:
         another minutes later) kept draft steps looking 2x dearer than the validate steps
         beside them once online steps had corrected the validate times, and batch 1 stood
         down, which yields no draft steps to correct them."""
-        validated, online = self._sweep_validated(), self._online.rows()[-SPEED_WINDOW:]
-        online = online[online[:, Q_TOKENS] > 0]
-        plain = online[online[:, DRAFT_STEPS] == 0]
-        online = plain if len(plain) >= SPEED_MIN_SAMPLES else online
-        if len(online) < SPEED_MIN_SAMPLES or len(validated) < 3:
+        validated, online = self._sweep_validated(), self._online.rows()
+        if len(validated) < 3:
             return 1.0
-        predicted = self._sweep_fit().validate_ms_at(online[:, Q_TOKENS], online[:, KV_TOKENS])
-        speed = float(np.median(online[:, VALIDATE_MS] / np.maximum(predicted, 1e-6)))
+        online = online[online[:, Q_TOKENS] > 0]
+        plain = online[(online[:, DRAFT_STEPS] == 0) & (online[:, SETTLING] == 0)][-SPEED_WINDOW:]
+        if len(plain) >= PLAIN_MIN_SAMPLES:
+            self._plain_speed = self._speed_over(plain)
+            return self._plain_speed
+        if self._plain_speed is not None:
+            return self._plain_speed
+        online = online[-SPEED_WINDOW:]
+        return self._speed_over(online) if len(online) >= SPEED_MIN_SAMPLES else 1.0
+
+    def _speed_over(self, rows: np.ndarray) -> float:
+        """The median of the rows' validate time over the sweep's own fit's, within SPEED_LIMITS."""
+        predicted = self._sweep_fit().validate_ms_at(rows[:, Q_TOKENS], rows[:, KV_TOKENS])
+        speed = float(np.median(rows[:, VALIDATE_MS] / np.maximum(predicted, 1e-6)))
         return min(max(speed, SPEED_LIMITS[0]), SPEED_LIMITS[1])
 
     def draft_overhead(self, n: int) -> float:
@@ -241,7 +258,7 @@ class ProfileRegistry:
 
     def refit(self) -> FitReport:
         data = self._data()
-        validated = data[data[:, Q_TOKENS] > 0]  # sweep draft points carry no validation
+        validated = _validated(data)
         if len(validated) < 3:  # nothing to fit yet: same coefficients, next version
             self.model = dataclasses.replace(self.model, version=self.model.version + 1)
             self.since_fit = 0
@@ -263,10 +280,9 @@ class ProfileRegistry:
             self._extra_rest = (model.o2, model.o3)
         else:
             model = dataclasses.replace(model, o2=self._extra_rest[0], o3=self._extra_rest[1])
-        online = self._online.rows()
-        online = online[online[:, Q_TOKENS] > 0]
+        online = _validated(self._online.rows())
         drafted = int((online[:, DRAFT_STEPS] > 0).sum())
-        if min(drafted, len(online) - drafted) >= DRAFT_MIN_SAMPLES:
+        if min(drafted, len(online) - drafted) >= DRAFT_MIN_SAMPLES:  # (settled plain steps)
             self._v_drafted = model.v_drafted
         else:
             model = dataclasses.replace(model, v_drafted=self._v_drafted)
@@ -291,8 +307,7 @@ class ProfileRegistry:
     def held_out_mape(self) -> dict[str, float]:
         """Each kind of time model fitted on every other measured step (sweep and online),
         its MAPE on the rest: which kind predicts better here."""
-        data = self._data()
-        validated = data[data[:, Q_TOKENS] > 0]
+        validated = _validated(self._data())
         return {kind: held_out_mape(_features(validated), validated[:, VALIDATE_MS], kind) for kind in KINDS}
 
 
@@ -308,6 +323,12 @@ def _predicts_alike(old: TimeModel, new: TimeModel, rows: np.ndarray) -> bool:
               new.validate_ms_at(validated[:, Q_TOKENS], validated[:, KV_TOKENS], drafted)),
              (old.draft_ms_at(n, steps), new.draft_ms_at(n, steps))]
     return all(bool(np.all(np.abs(b - a) <= SAME_FIT * np.maximum(np.abs(a), 1e-6))) for a, b in pairs)
+
+
+def _validated(rows: np.ndarray) -> np.ndarray:
+    """The rows a validate time is fitted on: validate points (the sweep's draft points carry no
+    validation), of plain steps only those settled after drafting (StepSample.settling)."""
+    return rows[(rows[:, Q_TOKENS] > 0) & (rows[:, SETTLING] == 0)]
 
 
 def _steady(rows: np.ndarray) -> np.ndarray:

@@ -132,7 +132,7 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
         online = engine.time_models.registry.online
     finally:
         engine.shutdown()
-    lines = _sampled([json.loads(line) for line in trace.read_text().splitlines()])
+    lines = [x for x, _ in _sampled([json.loads(line) for line in trace.read_text().splitlines()])]
     assert len(lines) == len(online) and [x["batch"] for x in lines] == [s.num_seqs for s in online]
     drafted = [(x, s) for x, s in zip(lines, online) if x["draft_steps"]]
     assert drafted
@@ -144,24 +144,31 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
     assert all(x["predicted_draft_ms"] == 0.0 for x in lines if not x["draft_steps"])
 
 
-def _sampled(lines: list[dict]) -> list[dict]:
-    """The traced decode steps the registry gets: every one that drafted, and of each stretch that
-    drafted nothing its first step and every PLAIN_SAMPLE_EVERY-th after it."""
+def _sampled(lines: list[dict]) -> list[tuple[dict, int]]:
+    """The traced decode steps the registry gets, each with its `settling` mark: every one that
+    drafted, and of each stretch that drafted nothing its first PLAIN_RUN steps (a plain probe's
+    stretch) and every PLAIN_SAMPLE_EVERY-th after them; a plain step among the first
+    SETTLE_STEPS after a step that drafted is settling."""
     from cluster.engine.core import PLAIN_SAMPLE_EVERY
+    from controller.probes import PLAIN_RUN
+    from controller.samples import SETTLE_STEPS
 
-    out, run = [], 0
+    out, run, drafted = [], 0, False
     for x in lines:
         run = 0 if x["draft_steps"] else run + 1
-        if x["draft_steps"] or (run - 1) % PLAIN_SAMPLE_EVERY == 0:
-            out.append(x)
+        drafted |= bool(x["draft_steps"])
+        if x["draft_steps"] or run <= PLAIN_RUN or (run - 1) % PLAIN_SAMPLE_EVERY == 0:
+            out.append((x, int(drafted and 0 < run <= SETTLE_STEPS)))
     return out
 
 
 def test_registry_samples_a_stretch_of_plain_steps(tmp_path, sharegpt_prompts):
-    """Standing down, the registry gets every step that drafted (the probes), the first plain
-    step after one, and every PLAIN_SAMPLE_EVERY-th plain step of a stretch: each sample had
-    cost its share of the registry's work and refits in the step loop (0.9% of batch 4's time
-    standing down), and a plain step's time repeats itself."""
+    """Standing down, the registry gets every step that drafted (the probes), the first PLAIN_RUN
+    plain steps after one (a plain probe's stretch goes in whole), and every PLAIN_SAMPLE_EVERY-th
+    plain step of a longer stretch: each sample had cost its share of the registry's work and
+    refits in the step loop (0.9% of batch 4's time standing down), and a plain step's time
+    repeats itself. The first SETTLE_STEPS plain steps after a drafting one are marked settling
+    (their validation is not plain decoding's: the registry leaves it out of the fit)."""
     import json
 
     trace = tmp_path / "steps.jsonl"
@@ -169,7 +176,7 @@ def test_registry_samples_a_stretch_of_plain_steps(tmp_path, sharegpt_prompts):
     try:
         engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
         for prompt in sharegpt_prompts:
-            engine.add_request(prompt, greedy(MAX_TOKENS))
+            engine.add_request(prompt, greedy(64))  # stretches longer than a plain probe's
         while engine.has_work():
             engine.step()
         online = engine.time_models.registry.online
@@ -177,8 +184,10 @@ def test_registry_samples_a_stretch_of_plain_steps(tmp_path, sharegpt_prompts):
         engine.shutdown()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     sampled = _sampled(lines)
-    assert [(s.num_seqs, s.draft_steps) for s in online] == [(x["batch"], x["draft_steps"]) for x in sampled]
+    assert [(s.num_seqs, s.draft_steps, s.settling) for s in online] == \
+        [(x["batch"], x["draft_steps"], settling) for x, settling in sampled]
     assert any(x["draft_steps"] for x in lines)  # probes, each a sample
+    assert any(s.settling for s in online) and not all(s.settling for s in online if not s.draft_steps)
     assert len(online) < 0.5 * len(lines)
 
 

@@ -57,6 +57,7 @@ def test_one_row_steps_decide_as_the_general_step(ops, compiled):
     for policy in (fast, slow):
         for version, terms in ((1, PAYS), (2, COSTLY), (3, PAYS)):
             policy.install(TimeModel(version=version, **terms))
+        policy.probes.plain_every = 16  # plain probes' stretches within these steps (8 in every 128 that would draft)
     rng = np.random.default_rng(7)
     seen, record = [], (0.0, 0.0)
     for s in range(500):

@@ -11,7 +11,8 @@ from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
 from controller.pending import stacked as _stacked
 from controller.policy import SpecPolicy
-from controller.probes import PLAIN_EVERY, PROBE_EVERY, PROBE_MAX_EVERY
+from controller.probes import PLAIN_EVERY, PLAIN_RUN, PROBE_EVERY, PROBE_MAX_EVERY
+from controller.samples import SETTLE_STEPS
 from controller.one_row_step import OneRowStep
 from controller.stand_down import PlainStep
 from controller.step import EXPLORE_EVERY
@@ -234,7 +235,7 @@ def test_a_batch_drafts_only_past_its_margin_and_batch_1_is_untouched():
 
 def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     policy = _policy()
-    policy.probes.plain_every = 10**9  # plain probes aside (test_every_128th_drafting_step_runs_plain)
+    policy.probes.plain_every = 10**9  # plain probes aside (test_one_drafting_step_in_128_runs_plain_in_stretches)
     _teach(policy, 0.02)
     model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
     assert _budget(policy, model) == 1  # the first adaptive step probes one position past the budget (0)
@@ -251,21 +252,24 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     assert policy.probes.every_at(4) == PROBE_EVERY and _budget(policy, model) == 4
 
 
-def test_every_128th_drafting_step_runs_plain():
-    """A plain probe: of the adaptive steps that would draft, every PLAIN_EVERY-th runs plain, so
-    the time model sees what a plain step's rest costs beside a drafting one's; a batch that
-    stands down has none (nothing to stand down from)."""
+def test_one_drafting_step_in_128_runs_plain_in_stretches():
+    """A plain probe: of the adaptive steps that would draft, one in PLAIN_EVERY runs plain, the
+    last PLAIN_RUN of every PLAIN_EVERY * PLAIN_RUN in a row, so the time model sees what a plain
+    step costs beside a drafting one, and once it has settled after drafting (the stretch's
+    last steps); a batch that stands down has none (nothing to stand down from)."""
     policy = _policy()
     _teach(policy, 0.95)
     policy.probes.last = [10**9] * len(policy.probes.last)  # no stand-down probe in these steps
     model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
-    budgets = [_budget(policy, model) for _ in range(3 * PLAIN_EVERY)]
-    assert [i for i, b in enumerate(budgets) if b == 0] == [PLAIN_EVERY - 1, 2 * PLAIN_EVERY - 1, 3 * PLAIN_EVERY - 1]
-    assert set(budgets) == {0, 4} and policy.probes.plain == 3
+    period = PLAIN_EVERY * PLAIN_RUN
+    budgets = [_budget(policy, model) for _ in range(3 * period)]
+    assert [i for i, b in enumerate(budgets) if b == 0] == [p * period - PLAIN_RUN + j for p in (1, 2, 3)
+                                                            for j in range(PLAIN_RUN)]
+    assert set(budgets) == {0, 4} and policy.probes.plain == 3 * PLAIN_RUN and PLAIN_RUN > SETTLE_STEPS
     down = _policy()
     _teach(down, 0.02)  # drafting does not pay: no step would draft
     down.probes.last = [10**9] * len(down.probes.last)
-    assert all(_budget(down, model) == 0 for _ in range(2 * PLAIN_EVERY)) and down.probes.plain == 0
+    assert all(_budget(down, model) == 0 for _ in range(2 * period)) and down.probes.plain == 0
 
 
 def test_probes_back_off_per_batch_size():
@@ -284,9 +288,11 @@ def test_probes_back_off_per_batch_size():
             before = policy.probes.probes
             _budget(policy, model, n=8)
             probes_at_8 += policy.probes.probes - before
-    # ... but for the plain probes: every PLAIN_EVERY-th step that would draft and is no probe (those
+    # ... but for the plain probes: one in PLAIN_EVERY steps that would draft and are no probe, in stretches (those
     # at eight would not draft)
-    assert sum(b == 0 for b in budgets_at_1) == policy.probes.plain == policy.probes.drafting // PLAIN_EVERY > 10
+    period = PLAIN_EVERY * PLAIN_RUN  # (the last PLAIN_RUN of every period)
+    stretches = sum((i + PLAIN_RUN - 1) % period < PLAIN_RUN for i in range(1, policy.probes.drafting + 1))
+    assert sum(b == 0 for b in budgets_at_1) == policy.probes.plain == stretches >= PLAIN_RUN
     assert min(b for b in budgets_at_1 if b) >= 2
     # 200 steps at eight: probes at their steps 1, 65 and 193 (counted among all 2000 adaptive steps, the
     # interval passed at nearly every stretch at eight early on: 5 probes)

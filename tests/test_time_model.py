@@ -7,9 +7,10 @@ from collections import Counter
 import numpy as np
 
 from controller.catchup import CATCHUP_MIN_SAMPLES, catchup_ms
-from controller.registry import (DRAFT_MIN_SAMPLES, RECENT, SCHEDULE_MAX, SPEED_WINDOW, STEADY_CATCHUP, WINDOW,
-                                 ProfileRegistry)
-from controller.samples import SampleColumns, StepSample
+from controller.probes import PLAIN_RUN
+from controller.registry import (DRAFT_MIN_SAMPLES, PLAIN_MIN_SAMPLES, RECENT, SCHEDULE_MAX, SPEED_WINDOW,
+                                 STEADY_CATCHUP, WINDOW, ProfileRegistry)
+from controller.samples import SETTLE_STEPS, SampleColumns, StepSample
 from controller.time_model import TimeModel, fit, other_fit, piecewise, piecewise_at
 from controller.yields import batch_bucket
 
@@ -213,6 +214,43 @@ def test_what_drafting_adds_to_the_validation_is_told_apart_and_outlives_the_win
                 np.array([]), np.array([]), 0).model
     assert blind.v_drafted == 0.0  # no drafted column: the extra spreads over every step, and drafting looks cheap
     assert blind.validate_ms_from(4, 800) - blind.validate_ms_from(1, 200) < 0.45
+
+
+def test_a_plain_step_is_priced_at_plain_decoding_s_cost_not_a_settling_one_s():
+    """A batch that drafts has plain steps only from its plain probes' stretches; the first
+    SETTLE_STEPS of each validate dearer (here 25%), the draft's forwards having displaced the
+    target's weights. Marked as settling, they are left out of the validate fit and of the
+    machine's speed: a plain step is priced at what the stretches' settled steps cost, and so
+    is the sweep they rescale (the machine here runs 0.8x the sweep's time), which stays
+    rescaled so once the window holds too few settled steps. Unmarked, the settling steps had
+    priced a plain step well above plain decoding's cost."""
+    rng = np.random.default_rng(11)
+
+    def step(q, drafts, cost=1.0, settling=0):
+        kv = q * int(rng.integers(50, 400))
+        ms = cost * (1.0 + 0.1 * q + 1e-4 * kv + (0.2 if drafts else 0.0)) * (1 + rng.normal(0, 0.01))
+        return StepSample(1, q, kv, ms, 3 if drafts else 0, 0.6 if drafts else 0.0, catchup_tokens=1,
+                          settling=settling)
+    sweep = [step(q, False) for q in range(1, 9) for _ in range(4)]
+    online = []
+    for _ in range(4):  # four plain probes' stretches among drafting steps
+        online += [step(4, True, 0.8) for _ in range(200)]
+        online += [step(1, False, 0.8 * 1.25, 1) for _ in range(SETTLE_STEPS)]
+        online += [step(1, False, 0.8) for _ in range(PLAIN_RUN - SETTLE_STEPS)]
+    assert (PLAIN_RUN - SETTLE_STEPS) * 4 >= PLAIN_MIN_SAMPLES
+    for kind in ("linear", "table"):
+        prices = {}
+        for marked in (True, False):
+            samples = online if marked else [x._replace(settling=0) for x in online]
+            reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1), sweep=sweep, kind=kind)
+            reg.add(samples)
+            prices[marked] = reg.refit().model.validate_ms_from(1, 200) / (0.8 * 1.12)
+            if marked:
+                assert abs(reg.sweep_speed() - 0.8) < 0.02, kind
+                reg.add([step(4, True, 0.8) for _ in range(WINDOW)])  # no plain step left in the window
+                assert abs(reg.sweep_speed() - 0.8) < 0.02, kind  # as last measured, not the drafting steps'
+                assert abs(reg.refit().model.validate_ms_from(1, 200) / (0.8 * 1.12) - 1.0) < 0.03, kind
+        assert abs(prices[True] - 1.0) < 0.03 and prices[False] > 1.04, (kind, prices)
 
 
 def test_a_sweep_taken_at_a_slow_moment_is_rescaled_by_the_online_steps():

@@ -19,7 +19,8 @@ from cluster.engine.stats import EngineStats
 from cluster.engine.time_model_link import TimeModelLink, make_time_model_link
 from cluster.engine.trace import TraceWriter
 from controller.policy import MODES
-from controller.samples import StepSample
+from controller.probes import PLAIN_RUN
+from controller.samples import SETTLE_STEPS, StepSample
 from controller.time_model import TimeModel
 from workers.plan import SamplingParams, StepResult
 from workers.sampler import sample_seed
@@ -27,9 +28,8 @@ from workers.worker import check_model_dirs
 
 log = logging.getLogger("adaspec.engine")
 SEED_BITS = 63  # a request without a seed gets one drawn from the OS
-# Of a run of decode steps that draft nothing, the time-model registry gets the first and every PLAIN_SAMPLE_EVERY-th
-# after it (every step that drafts, and so the first plain one after it, a plain probe among drafting steps, goes
-# in). Each sample had cost its share of the registry's work, refits included, in the step loop: standing down at
+# Of a run of decode steps that draft nothing, the time-model registry gets the first PLAIN_RUN (a plain probe's
+# stretch among drafting steps goes in whole) and every PLAIN_SAMPLE_EVERY-th after them. Each sample had cost its share of the registry's work, refits included, in the step loop: standing down at
 # batch 4 (1.7 ms steps) the registry took 0.9% of the time, and adaptive ran 1.9% behind plain decoding on the
 # same steps (1.0% with no samples at all). A plain step's time repeats itself: a quarter of them keep the fit.
 PLAIN_SAMPLE_EVERY = 4
@@ -65,6 +65,7 @@ class Engine:
         self._requests = itertools.count()
         self._step_end = 0.0  # when the last step returned (perf_counter s), 0: none since an empty one
         self._plain_run = 0  # decode steps that drafted nothing since the last that drafted (PLAIN_SAMPLE_EVERY)
+        self._drafted = False  # some decode step has drafted (before one, no plain step is settling after it)
         self.tracer = TraceWriter(cfg.engine.trace_path, cfg.engine.trace_label) if cfg.engine.trace_path else None
 
     def _start_time_models(self) -> TimeModelLink:
@@ -190,12 +191,14 @@ class Engine:
             emitted = sum(len(u.new_token_ids) for u in updates)
             if self.time_models is not None and self._samples(st.draft_steps):
                 # what drafting cost includes deciding on it: the early stops and the keep decision. A rest with a
-                # one-off in it is left out (0), a draft with one marked (StepStats.steady, draft_steady)
+                # one-off in it is left out (0), a draft with one marked (StepStats.steady, draft_steady), and a
+                # plain step still settling after drafting marked too (StepSample.settling)
                 draft_ms = st.draft_ms + st.draft_control_ms
                 other_ms = max(step_ms - draft_ms - st.validate_ms, 1e-3) if st.steady else 0.0
                 self.time_models.record([StepSample(st.num_seqs, st.num_tokens, st.kv_tokens, st.validate_ms,
                                                     st.draft_steps, draft_ms, other_ms, emitted,
-                                                    st.catchup_tokens, st.draft_seqs, int(not st.draft_steady))])
+                                                    st.catchup_tokens, st.draft_seqs, int(not st.draft_steady),
+                                                    int(0 < self._plain_run <= SETTLE_STEPS and self._drafted))])
             self.stats.decode_seq_ms += len(updates) * step_ms
             self.stats.decode_tokens += emitted
             if plan.trace:
@@ -205,9 +208,11 @@ class Engine:
 
     def _samples(self, drafted: int) -> bool:
         """Does the registry get this decode step (drafted: its draft steps)? Every one that drafts;
-        of a stretch that drafts nothing, the first and every PLAIN_SAMPLE_EVERY-th."""
+        of a stretch that drafts nothing, the first PLAIN_RUN (a plain probe's stretch: probes.py)
+        and every PLAIN_SAMPLE_EVERY-th."""
+        self._drafted |= bool(drafted)
         self._plain_run = 0 if drafted else self._plain_run + 1
-        return bool(drafted) or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0
+        return bool(drafted) or self._plain_run <= PLAIN_RUN or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0
 
     def _recover(self, error: Exception) -> None:
         """A rank died: rebuild the worker group and recompute every in-flight sequence
