@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.bench.paired import (arrivals, comparisons, groups, main, paired_round, rate_point, share_engine_weights,
-                                  sweep)
+from cluster.bench.paired import (arrivals, comparisons, group_engines, groups, main, paired_round, rate_point,
+                                  share_engine_weights, sweep)
 from tests.conftest import TEST_SIZING, greedy, local_engine, tiny_config
 
 
@@ -121,12 +121,19 @@ def test_every_adaptive_arm_is_compared_with_every_fixed_one_and_the_best():
         groups(arms, "some")
 
 
-def test_each_pair_runs_on_its_own():
-    """With pairs, a round runs the adaptive arm once with each fixed arm, never the fixed arms together."""
-    engines = {a: _Engine(lambda p: p * 2) for a in ("nospec", "static-3", "adaptive-3")}
-    result = sweep(engines, list(engines), SPECS, [0.5], rounds=2, warm_rates=[], warm_rounds=0, seed=0)
-    # the saturation round with every arm, then two rounds of two pairs
-    assert [e.count for e in engines.values()] == [3 * len(SPECS), 3 * len(SPECS), 5 * len(SPECS)]
+def test_each_pair_runs_on_its_own_engines():
+    """With pairs, a round runs the adaptive arm once with each fixed arm, never the fixed arms
+    together, each pair on engines of its own (group_engines): the adaptive arm's engine beside
+    nospec never steps beside static-3. The saturation round runs the first arm's first pair."""
+    arms = ["nospec", "static-3", "adaptive-3"]
+    made = []
+    engines = group_engines(arms, "pairs", lambda a: made.append((a, _Engine(lambda p: p * 2))) or made[-1][1])
+    assert list(engines) == [("adaptive-3", "nospec"), ("adaptive-3", "static-3")]
+    assert [a for a, _ in made] == ["adaptive-3", "nospec", "adaptive-3", "static-3"]
+    assert len({id(e) for g in engines.values() for e in g}) == 4
+    result = sweep(engines, arms, SPECS, [0.5], rounds=2, warm_rates=[], warm_rounds=0, seed=0)
+    # the saturation round in the first pair, then two rounds of each pair
+    assert [e.count for g in engines.values() for e in g] == [3 * len(SPECS)] * 2 + [2 * len(SPECS)] * 2
     (point,) = result["points"]
     assert [(r["arm"], r["over"], len(r["ratios"])) for r in point["ratios"]] == [("adaptive-3", "nospec", 2),
                                                                                    ("adaptive-3", "static-3", 2)]

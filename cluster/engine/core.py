@@ -29,9 +29,10 @@ from workers.worker import check_model_dirs
 log = logging.getLogger("adaspec.engine")
 SEED_BITS = 63  # a request without a seed gets one drawn from the OS
 # Of a run of decode steps that draft nothing, the time-model registry gets the first PLAIN_RUN (a plain probe's
-# stretch among drafting steps goes in whole) and every PLAIN_SAMPLE_EVERY-th after them. Each sample had cost its share of the registry's work, refits included, in the step loop: standing down at
-# batch 4 (1.7 ms steps) the registry took 0.9% of the time, and adaptive ran 1.9% behind plain decoding on the
-# same steps (1.0% with no samples at all). A plain step's time repeats itself: a quarter of them keep the fit.
+# stretch among drafting steps goes in whole) and every PLAIN_SAMPLE_EVERY-th after them. Each sample had cost its
+# share of the registry's work, refits included, in the step loop: standing down at batch 4 (1.7 ms steps) the
+# registry took 0.9% of the time, and adaptive ran 1.9% behind plain decoding on the same steps (1.0% with no
+# samples at all). A plain step's time repeats itself: a quarter of them keep the fit.
 PLAIN_SAMPLE_EVERY = 4
 
 
