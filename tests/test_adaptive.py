@@ -146,42 +146,29 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
 
 def _sampled(lines: list[dict]) -> list[tuple[dict, int]]:
     """The traced decode steps the registry gets, each with its `settling` mark: every one that
-    drafted, and of each stretch that drafted nothing its first step and every
-    PLAIN_SAMPLE_EVERY-th after it (no plain probe among these steps: test_plain_probes_go_in_whole);
-    a plain step among the first SETTLE_STEPS after a step that drafted is settling."""
+    drafted, and of each stretch that drafted nothing its first PLAIN_RUN steps (a plain probe's
+    stretch) and every PLAIN_SAMPLE_EVERY-th after them; a plain step among the first
+    SETTLE_STEPS after a step that drafted is settling."""
     from cluster.engine.core import PLAIN_SAMPLE_EVERY
+    from controller.probes import PLAIN_RUN
     from controller.samples import SETTLE_STEPS
 
     out, run, drafted = [], 0, False
     for x in lines:
         run = 0 if x["draft_steps"] else run + 1
         drafted |= bool(x["draft_steps"])
-        if x["draft_steps"] or (run - 1) % PLAIN_SAMPLE_EVERY == 0:
+        if x["draft_steps"] or run <= PLAIN_RUN or (run - 1) % PLAIN_SAMPLE_EVERY == 0:
             out.append((x, int(drafted and 0 < run <= SETTLE_STEPS)))
     return out
 
 
-def test_plain_probes_go_in_whole():
-    """Every plain probe (a plain step the budget chose to draft) reaches the registry, so a
-    probe's stretch is all there, settled steps included; other plain steps one in
-    PLAIN_SAMPLE_EVERY after the first of their stretch."""
-    from types import SimpleNamespace
-
-    from cluster.engine.core import PLAIN_SAMPLE_EVERY
-
-    engine = SimpleNamespace(_plain_run=0, _drafted=False)
-    steps = [(3, False)] * 5 + [(0, True)] * 8 + [(2, False)] + [(0, False)] * 9
-    got = [Engine._samples(engine, drafted, probe) for drafted, probe in steps]
-    assert got == [True] * 14 + [(i % PLAIN_SAMPLE_EVERY) == 0 for i in range(9)]
-
-
 def test_registry_samples_a_stretch_of_plain_steps(tmp_path, sharegpt_prompts):
-    """Standing down, the registry gets every step that drafted (the probes), the first plain
-    step after one, and every PLAIN_SAMPLE_EVERY-th plain step of a stretch: each sample had
-    cost its share of the registry's work and refits in the step loop (0.9% of batch 4's time
-    standing down), and a plain step's time repeats itself. The first SETTLE_STEPS plain steps
-    after a drafting one are marked settling (their validation is not plain decoding's: the
-    registry leaves it out of the fit)."""
+    """Standing down, the registry gets every step that drafted (the probes), the first PLAIN_RUN
+    plain steps after one (a plain probe's stretch goes in whole), and every PLAIN_SAMPLE_EVERY-th
+    plain step of a longer stretch: each sample had cost its share of the registry's work and
+    refits in the step loop (0.9% of batch 4's time standing down), and a plain step's time
+    repeats itself. The first SETTLE_STEPS plain steps after a drafting one are marked settling
+    (their validation is not plain decoding's: the registry leaves it out of the fit)."""
     import json
 
     trace = tmp_path / "steps.jsonl"

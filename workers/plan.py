@@ -92,7 +92,6 @@ class StepStats:
     draft_steps: int = 0  # autoregressive draft forwards run
     catchup_tokens: int = 0  # tokens the first draft forward caught up on (steady state: those emitted last step)
     draft_seqs: int = 0  # sequences that drafted (a probe standing down drafts for the explored ones alone)
-    plain_probe: bool = False  # a plain step where the budget chose to draft (controller/probes.py)
     num_seqs: int = 0
     num_tokens: int = 0  # target tokens computed (sum of q_len)
     kv_tokens: int = 0  # sum over sequences of q_len * context length (the time model's third feature)

@@ -215,7 +215,6 @@ class ModelRunner:
         keep = [0] * n
         outputs = self._accept(plan, seqs, drafting.NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats,
                                out is not None)
-        stats.plain_probe = step.best_m > 0
         if plan.mode == "adaptive":
             if step.wants:  # the budget would draft, and the rows' catch-up or a plain probe said no
                 self.stretches.extend(1.0)

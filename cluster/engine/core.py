@@ -19,6 +19,7 @@ from cluster.engine.stats import EngineStats
 from cluster.engine.time_model_link import TimeModelLink, make_time_model_link
 from cluster.engine.trace import TraceWriter
 from controller.policy import MODES
+from controller.probes import PLAIN_RUN
 from controller.samples import SETTLE_STEPS, StepSample
 from controller.time_model import TimeModel
 from workers.plan import SamplingParams, StepResult
@@ -27,9 +28,9 @@ from workers.worker import check_model_dirs
 
 log = logging.getLogger("adaspec.engine")
 SEED_BITS = 63  # a request without a seed gets one drawn from the OS
-# Of a run of decode steps that draft nothing, the time-model registry gets the first and every PLAIN_SAMPLE_EVERY-th
-# after it, and every plain probe (a probe's stretch goes in whole: probes.py). Each sample had cost its share of the
-# registry's work, refits included, in the step loop: standing down at batch 4 (1.7 ms steps) the
+# Of a run of decode steps that draft nothing, the time-model registry gets the first PLAIN_RUN (a plain probe's
+# stretch among drafting steps goes in whole) and every PLAIN_SAMPLE_EVERY-th after them. Each sample had cost its
+# share of the registry's work, refits included, in the step loop: standing down at batch 4 (1.7 ms steps) the
 # registry took 0.9% of the time, and adaptive ran 1.9% behind plain decoding on the same steps (1.0% with no
 # samples at all). A plain step's time repeats itself: a quarter of them keep the fit.
 PLAIN_SAMPLE_EVERY = 4
@@ -189,7 +190,7 @@ class Engine:
         if plan.decode:
             step_ms = (time.perf_counter() - start) * 1e3
             emitted = sum(len(u.new_token_ids) for u in updates)
-            if self.time_models is not None and self._samples(st.draft_steps, st.plain_probe):
+            if self.time_models is not None and self._samples(st.draft_steps):
                 # what drafting cost includes deciding on it: the early stops and the keep decision. A rest with a
                 # one-off in it is left out (0), a draft with one marked (StepStats.steady, draft_steady), and a
                 # plain step still settling after drafting marked too (StepSample.settling)
@@ -206,13 +207,13 @@ class Engine:
         self._step_end = time.perf_counter()
         return updates
 
-    def _samples(self, drafted: int, plain_probe: bool = False) -> bool:
-        """Does the registry get this decode step (drafted: its draft steps)? Every one that drafts,
-        and every plain probe (a probe's stretch goes in whole); of a stretch that drafts nothing,
-        the first and every PLAIN_SAMPLE_EVERY-th."""
+    def _samples(self, drafted: int) -> bool:
+        """Does the registry get this decode step (drafted: its draft steps)? Every one that drafts;
+        of a stretch that drafts nothing, the first PLAIN_RUN (a plain probe's stretch: probes.py)
+        and every PLAIN_SAMPLE_EVERY-th."""
         self._drafted |= bool(drafted)
         self._plain_run = 0 if drafted else self._plain_run + 1
-        return bool(drafted) or plain_probe or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0
+        return bool(drafted) or self._plain_run <= PLAIN_RUN or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0
 
     def _recover(self, error: Exception) -> None:
         """A rank died: rebuild the worker group and recompute every in-flight sequence
