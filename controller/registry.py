@@ -149,14 +149,14 @@ class ProfileRegistry:
         validated, online = self._sweep_validated(), self._online.rows()
         if len(validated) < 3:
             return 1.0
-        online = online[online[:, Q_TOKENS] > 0]
-        plain = online[(online[:, DRAFT_STEPS] == 0) & (online[:, SETTLING] == 0)][-SPEED_WINDOW:]
+        plain = _validated(online)
+        plain = plain[plain[:, DRAFT_STEPS] == 0][-SPEED_WINDOW:]
         if len(plain) >= PLAIN_MIN_SAMPLES:
             self._plain_speed = self._speed_over(plain)
             return self._plain_speed
         if self._plain_speed is not None:
             return self._plain_speed
-        online = online[-SPEED_WINDOW:]
+        online = online[online[:, Q_TOKENS] > 0][-SPEED_WINDOW:]
         return self._speed_over(online) if len(online) >= SPEED_MIN_SAMPLES else 1.0
 
     def _speed_over(self, rows: np.ndarray) -> float:

@@ -7,23 +7,24 @@ percent where the served sweep's rounds spread 5-10% (bench-serve), without HTTP
 Each arm (nospec, static-K, adaptive-K: bench-serve's) is an Engine, its one rank in this
 process (TP=1), one for every group of arms stepped together (an adaptive arm's engine
 learns only from the steps it takes beside the arm it is compared with), all reading one
-copy of the weights as one server would (--separate-weights: a copy each). All get the held-out requests bench-serve sends
-(bench.serve_requests, each with its reply's length as max_tokens, greedy, EOS honoured),
-arriving as a seeded Poisson process. Each engine keeps its own clock: the time its steps
-took, moved on to the next arrival when it has nothing to do, so it sees the arrivals a
-server at that rate would, at its own speed; in each idle gap it does what a server's loop
-does there (Engine.idle: the time-model registry's buffered samples and refits), off its
-clock. The engines compared are stepped in turn, one step each (which goes first rotates
-by round), so the machine's drift falls on all alike: each comparison's two on their own (--schedule pairs, the default), or every arm together
+copy of the weights as one server would (--separate-weights: a copy each). All get the
+held-out requests bench-serve sends (bench.serve_requests, each with its reply's length as
+max_tokens, greedy, EOS honoured), arriving as a seeded Poisson process. Each engine keeps
+its own clock: the time its steps took, moved on to the next arrival when it has nothing
+to do, so it sees the arrivals a server at that rate would, at its own speed; in each idle
+gap it does what a server's loop does there (Engine.idle: the time-model registry's
+buffered samples and refits), off its clock. The engines compared are stepped in turn, one
+step each (which goes first rotates by round), so the machine's drift falls on all alike:
+each comparison's two on their own (--schedule pairs, the default), or every arm together
 (--schedule all: fewer rounds to run, but each further engine leaves the caches colder for
 the next). A round's throughput is its output tokens over its clock at the last completion.
 A rate reports each adaptive arm over each fixed arm (or, without both kinds, each arm over
 the first): the median over rounds of the per-round ratio, with the 95% interval of that
 median; and each adaptive arm over the fixed arm it compares worst with there (best fixed).
 Rates are fractions of the first arm's saturation, measured first in the first group that
-holds it (every request at once; `inf` runs a rate that way). Before measuring, every group serves
---warm-rounds rounds at each of --warm-rates (a server's history: its time-model refits,
-calibration, probe back-offs). The arms must emit the same tokens (greedy): a round where
+holds it (every request at once; `inf` runs a rate that way). Before measuring, every group
+serves --warm-rounds rounds at each of --warm-rates (a server's history: its time-model
+refits, calibration, probe back-offs). The arms must emit the same tokens (greedy): a round where
 they differ is an error.
 Writes paired.json, paired.md and paired.png.
 """
