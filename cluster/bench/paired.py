@@ -14,8 +14,7 @@ its own clock: the time its steps took, moved on to the next arrival when it has
 to do, so it sees the arrivals a server at that rate would, at its own speed; in each idle
 gap it does what a server's loop does there (Engine.idle: the time-model registry's
 buffered samples and refits), off its clock. The engines compared are stepped in turn, one
-step each (the order reversed at every turn, and which goes first rotating by round:
-`paired_round`), so the machine's drift falls on all alike:
+step each (which goes first rotates by round), so the machine's drift falls on all alike:
 each comparison's two on their own (--schedule pairs, the default), or every arm together
 (--schedule all: fewer rounds to run, but each further engine leaves the caches colder for
 the next). A round's throughput is its output tokens over its clock at the last completion.
@@ -92,20 +91,14 @@ def arrivals(specs: list, rate: float, seed: int) -> list[tuple[float, object]]:
 
 
 def paired_round(engines: list, specs: list, rate: float, seed: int, first: int = 0) -> list[Clocked]:
-    """One round of every engine, one step of each in turn, the turn's order reversed at every
-    turn (engines[first] first, then last, then first: A B B A A B ...); their throughputs are
-    tokens / clock. An engine stepped first in every turn ran slower: two engines of plain
-    decoding at batch 32 read 0.5% apart by which of them went first (12 rounds, the first
-    one's steps 8-13 us dearer each at the full batch), and adaptive-7 standing down read
-    0.982 of plain decoding in rounds where it went first and 0.998 where it went second
-    (16 rounds). With the order turning every step, 0.988 and 0.991."""
+    """One round of every engine, one step of each in turn starting with engines[first];
+    their throughputs are tokens / clock."""
     runs = [Clocked(e, arrivals(specs, rate, seed)) for e in engines]
     order = runs[first:] + runs[:first]
     while not all(r.done() for r in runs):
         for r in order:
             if not r.done():
                 r.step()
-        order.reverse()
     emitted = [[r.tokens[i] for i in r.ids] for r in runs]
     if any(e != emitted[0] for e in emitted[1:]):
         raise RuntimeError(f"round {seed}: the arms emitted different tokens for the same greedy requests")
