@@ -80,8 +80,8 @@ class ProfileRegistry:
         """Record online samples; returns a new model when a refit happened."""
         validated = [s for s in samples if s.q_tokens]
         model = self.model
-        rows = self._online.extend(validated)[-RECENT:]  # only the latest RECENT errors are kept
-        rows = rows[rows[:, SETTLING] == 0]  # (a settling plain step is no plain step's cost: not fitted either)
+        # only the latest RECENT errors are kept, of the steps a fit reads (no settling plain step: _validated)
+        rows = _validated(self._online.extend(validated)[-RECENT:])
         if len(rows):  # each step's error, in a few array operations (not a prediction per sample)
             measured = rows[:, VALIDATE_MS]
             predicted = model.validate_ms_at(rows[:, Q_TOKENS], rows[:, KV_TOKENS], rows[:, DRAFT_STEPS] > 0)
