@@ -36,8 +36,10 @@ OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at
 OBSERVE_ROWS = 512  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 512  # ... but never more steps than this
 CALIBRATE_ROWS = 1024  # a batch of more sequence-steps fits on an evenly spaced sample of about this many
-COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, every adaptive step probes and
-# its outcomes reach the calibrators at once (a cold start: see begin_step)
+COLD_TRIALS = 512  # until the calibrator has verified this many first drafts, every adaptive step probes and
+# its outcomes reach the calibrators at once (a cold start: see begin_step); several requests' worth at batch 1,
+# where one request's drafts are no sample of the workload's (64 had ended it on one: DESIGN.md section 8) ...
+COLD_BATCH = 16  # ... in batches of sequence-steps at least 1/COLD_BATCH of the first drafts held (the first at once)
 
 
 class SpecPolicy:
@@ -63,6 +65,7 @@ class SpecPolicy:
         self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
         self.probes = ProbeSchedule()  # when adaptive steps probe, per batch size (controller/probes.py)
         self.cold = True  # fewer than COLD_TRIALS first drafts verified so far (set by every calibration batch)
+        self._first_drafts = 0  # first drafts the calibrator had verified at the last calibration batch
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
         self.calibrations = 0  # calibration batches run (the runner leaves steps with one out of the rest's fit)
@@ -128,11 +131,13 @@ class SpecPolicy:
 
         A cold start (the calibrator has verified fewer than COLD_TRIALS first drafts) probes at
         every adaptive step where drafting could pay were every draft accepted (`could_pay`),
-        and each probe's outcomes reach the calibrators at the end of its step. Started on the
+        and the probes' outcomes reach the calibrators soon (the first ones at the end of their
+        step, then in batches of about 1/COLD_BATCH of the first drafts held). Started on the
         prior (every draft accepted half the time), batch 1 stood down, its probes backed off
         before their outcomes had reached the rates (calibration batches came every 256 steps
         there), and adaptive-7 verified 1-3 drafts in its first 250 steps where the drafts
-        were accepted 80% of the time."""
+        were accepted 80% of the time. Ended after 64 first drafts, one request's at batch 1, a
+        request whose drafts were accepted less than the workload's stood batch 1 down for good."""
         down = self._down  # the last stand-down's terms (controller/stand_down.py): still standing down?
         if down is not None and mode == "adaptive" and version == down.version and k == down.k and len(kv) == down.n:
             counts, b = down.counts, down.bucket
@@ -293,8 +298,9 @@ class SpecPolicy:
     def _count_step(self, width: int) -> None:
         """One more step observed (width: drafts some sequence verified); a calibration batch when due."""
         self._observed += 1
-        if (self.cold and width) or self._observed >= OBSERVE_MAX or \
-                (self._observed >= OBSERVE_EVERY and self._pending_rows >= OBSERVE_ROWS):
+        rows = self._pending_rows
+        if (self.cold and width and rows * COLD_BATCH > self._first_drafts) or self._observed >= OBSERVE_MAX or \
+                (self._observed >= OBSERVE_EVERY and rows >= OBSERVE_ROWS):
             self._flush()
 
     def _flush(self) -> None:
@@ -321,7 +327,8 @@ class SpecPolicy:
         steps = len(self._pending)  # steps that verified something: the evidence fades once per such step
         self._pending, self._observed, self._pending_rows = [], 0, 0
         self.calibrator.update(top, verified, accepted, repeat=r)
-        self.cold = int(self.calibrator.trials[0].sum()) < COLD_TRIALS
+        self._first_drafts = int(self.calibrator.trials[0].sum())
+        self.cold = self._first_drafts < COLD_TRIALS
         if self.cfg.adaptive.estimator == "top_prob_logistic":
             self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights * r)
         self._set_rates()

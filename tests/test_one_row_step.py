@@ -44,13 +44,14 @@ def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k:
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_one_row_steps_decide_as_the_general_step(ops, compiled):
+def test_one_row_steps_decide_as_the_general_step(ops, compiled, monkeypatch):
     """500 steps of one sequence on two policies alike but for OneRowStep (one_row_steps off
     in the other, whose SpecSteps decide in decide_small and worth_drafting): the same budgets,
     early-stop answers, keep sets and rule choices every step, through a cold start's probes,
     plain probes, exploration, caps below k and, where drafting stops paying, stand-down
     probes, with the sequence's record (controller/history.py) at levels either side of 0;
     and the two policies' calibration stays the same."""
+    monkeypatch.setattr("controller.policy.COLD_TRIALS", 64)  # a short cold start: the warm cases fit in 500 steps
     cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True, seq_history=True))
     fast, slow = (SpecPolicy(cfg, compiled=ops if compiled else None) for _ in range(2))
     slow.one_row_steps = False
