@@ -36,9 +36,10 @@ OBSERVE_EVERY = 32  # validation outcomes reach the calibrators in batches of at
 OBSERVE_ROWS = 512  # ... and of at least this many sequence-steps (small batches wait longer) ...
 OBSERVE_MAX = 512  # ... but never more steps than this
 CALIBRATE_ROWS = 1024  # a batch of more sequence-steps fits on an evenly spaced sample of about this many
-COLD_TRIALS = 512  # until the calibrator has verified this many first drafts, every adaptive step probes and
-# its outcomes reach the calibrators at once (a cold start: see begin_step); several requests' worth at batch 1,
-# where one request's drafts are no sample of the workload's (64 had ended it on one: DESIGN.md section 8) ...
+COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, every adaptive step probes and
+# its outcomes reach the calibrators soon (a cold start: see begin_step) ...
+ALONE_COLD_TRIALS = 512  # ... and every step of one sequence until this many: several requests' worth, where one
+# request's drafts are no sample of the workload's (64 had ended it on one: DESIGN.md section 8) ...
 COLD_BATCH = 16  # ... in batches of sequence-steps at least 1/COLD_BATCH of the first drafts held (the first at once)
 
 
@@ -65,6 +66,7 @@ class SpecPolicy:
         self.adaptive_steps = 0  # counted identically on every rank (every rank runs every plan)
         self.probes = ProbeSchedule()  # when adaptive steps probe, per batch size (controller/probes.py)
         self.cold = True  # fewer than COLD_TRIALS first drafts verified so far (set by every calibration batch)
+        self.cold_alone = True  # fewer than ALONE_COLD_TRIALS (batch 1's cold start)
         self._first_drafts = 0  # first drafts the calibrator had verified at the last calibration batch
         self._pending: list[tuple] = []  # (top_prob, margin, verified, accepted, rule_keep) not yet in the calibrators
         self._observed = self._pending_rows = 0  # steps and sequence-steps since the last batch
@@ -129,15 +131,18 @@ class SpecPolicy:
         position past the budget; the exploration in `keep` verifies it for a rotating share of
         the sequences. (Drafting all k at a probe was tried: DESIGN.md section 8, probes.)
 
-        A cold start (the calibrator has verified fewer than COLD_TRIALS first drafts) probes at
-        every adaptive step where drafting could pay were every draft accepted (`could_pay`),
+        A cold start (the calibrator has verified fewer than COLD_TRIALS first drafts, or for a
+        step of one sequence ALONE_COLD_TRIALS) probes at every adaptive step where drafting
+        could pay were every draft accepted (`could_pay`),
         and the probes' outcomes reach the calibrators soon (the first ones at the end of their
         step, then in batches of about 1/COLD_BATCH of the first drafts held). Started on the
         prior (every draft accepted half the time), batch 1 stood down, its probes backed off
         before their outcomes had reached the rates (calibration batches came every 256 steps
         there), and adaptive-7 verified 1-3 drafts in its first 250 steps where the drafts
         were accepted 80% of the time. Ended after 64 first drafts, one request's at batch 1, a
-        request whose drafts were accepted less than the workload's stood batch 1 down for good."""
+        request whose drafts were accepted less than the workload's stood batch 1 down for good;
+        at larger batches a probe's row turns, so 64 are many requests' (and 512 there had made
+        a server's first 512 steps at batch 32 probe, 4% of a round)."""
         down = self._down  # the last stand-down's terms (controller/stand_down.py): still standing down?
         if down is not None and mode == "adaptive" and version == down.version and k == down.k and len(kv) == down.n:
             counts, b = down.counts, down.bucket
@@ -155,7 +160,8 @@ class SpecPolicy:
         if mode == "adaptive":
             self.adaptive_steps += 1
             n = len(kv)
-            learning = self.cold and k > 0 and self.terms.could_pay(model, n, k)
+            cold = self.cold_alone if n == 1 else self.cold
+            learning = cold and k > 0 and self.terms.could_pay(model, n, k)
             probe = self.probes.due(n, cold=learning)
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
@@ -167,7 +173,7 @@ class SpecPolicy:
                 # seq_history, where the next step's sequence may stand at another level)
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
-                    if not self.cold:  # (a cold start's steps may probe at any step)
+                    if not cold:  # (a cold start's steps may probe at any step)
                         self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n))
                     return PlainStep(self, model, kv, max_keep, k)
             if n == 1 and k and self.one_row_steps:
@@ -299,7 +305,7 @@ class SpecPolicy:
         """One more step observed (width: drafts some sequence verified); a calibration batch when due."""
         self._observed += 1
         rows = self._pending_rows
-        if (self.cold and width and rows * COLD_BATCH > self._first_drafts) or self._observed >= OBSERVE_MAX or \
+        if (self.cold_alone and width and rows * COLD_BATCH > self._first_drafts) or self._observed >= OBSERVE_MAX or \
                 (self._observed >= OBSERVE_EVERY and rows >= OBSERVE_ROWS):
             self._flush()
 
@@ -328,7 +334,7 @@ class SpecPolicy:
         self._pending, self._observed, self._pending_rows = [], 0, 0
         self.calibrator.update(top, verified, accepted, repeat=r)
         self._first_drafts = int(self.calibrator.trials[0].sum())
-        self.cold = self._first_drafts < COLD_TRIALS
+        self.cold, self.cold_alone = self._first_drafts < COLD_TRIALS, self._first_drafts < ALONE_COLD_TRIALS
         if self.cfg.adaptive.estimator == "top_prob_logistic":
             self.logistic.update(top, margin, verified, accepted, steps=steps, weights=weights * r)
         self._set_rates()

@@ -174,7 +174,7 @@ def test_the_policy_decides_batch_1_with_the_compiled_one_row(ops):
         for ask in ("keep_drafting", "early_stop"):
             policy = SpecPolicy(cfg, compiled=compiled)
             policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))  # drafting pays
-            policy.cold = False  # a warm controller (a cold one probes at every step where drafting could pay)
+            policy.cold = policy.cold_alone = False  # a warm controller (a cold one probes at every step where drafting could pay)
             policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)  # the first step probes: not this one
             step = policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)
             assert step.budget > 0 and not step.probe
@@ -244,14 +244,13 @@ def test_a_column_of_logistic_estimates_is_the_same_doubles(ops):
 
 @pytest.mark.parametrize("dtype,b2,n", [(np.float64, 1e-6, 40), (np.float64, 2e-5, 40), (np.float32, 1e-6, 40),
                                         (np.float64, 2e-5, 2), (np.float64, 1e-6, 5), (np.float64, 2e-5, 9)])
-def test_a_batch_decides_the_same_compiled_and_not(ops, dtype, b2, n, monkeypatch):
+def test_a_batch_decides_the_same_compiled_and_not(ops, dtype, b2, n):
     """Adaptive-7 at batch n over 60 steps of random drafts, one policy with the kernels and
     one without: the same budgets, early-stop answers and keep sets every step. float64
     buffers, as the draft loop's: the compiled policy decides in its ManyRows (from batch 2:
     below 64 candidates the one without decides in plain Python); float32: in the kernels'
     functions one by one, with Python between them. b2: the context's cost, which the keep
     set's Dinkelbach rounds weigh."""
-    monkeypatch.setattr("controller.policy.COLD_TRIALS", 64)  # a short cold start: warm steps (early stops) in 60
     cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True))
     policies = [SpecPolicy(cfg, compiled=c) for c in (ops, None)]
     for policy in policies:  # drafting pays at this batch size: the step drafts and decides

@@ -51,7 +51,7 @@ def test_one_row_steps_decide_as_the_general_step(ops, compiled, monkeypatch):
     plain probes, exploration, caps below k and, where drafting stops paying, stand-down
     probes, with the sequence's record (controller/history.py) at levels either side of 0;
     and the two policies' calibration stays the same."""
-    monkeypatch.setattr("controller.policy.COLD_TRIALS", 64)  # a short cold start: the warm cases fit in 500 steps
+    monkeypatch.setattr("controller.policy.ALONE_COLD_TRIALS", 64)  # a short cold start: the warm cases fit in 500
     cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True, seq_history=True))
     fast, slow = (SpecPolicy(cfg, compiled=ops if compiled else None) for _ in range(2))
     slow.one_row_steps = False

@@ -10,7 +10,7 @@ import pytest
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.estimators import HALVE_AT, NUM_BUCKETS, PRIOR_WEIGHT, Calibrator
 from controller.pending import stacked as _stacked
-from controller.policy import SpecPolicy
+from controller.policy import COLD_TRIALS, SpecPolicy
 from controller.probes import PLAIN_EVERY, PLAIN_RUN, PROBE_EVERY, PROBE_MAX_EVERY
 from controller.samples import SETTLE_STEPS
 from controller.one_row_step import OneRowStep
@@ -360,6 +360,31 @@ def test_a_cold_start_outlasts_one_request_s_poor_drafts():
         policy.end_step(step, top[:, :width], margin[:, :width], keep, np.array([accepted]))
     assert sum(drafting[-500:]) >= 450, sum(drafting[-500:])
     assert abs(policy.next_rates[0] - 0.8) < 0.05
+
+
+def test_a_cold_start_at_eight_sequences_ends_after_cold_trials_first_drafts():
+    """At eight sequences a cold probe's row turns, so COLD_TRIALS first drafts are many
+    requests' already: the cold start ends there, not at batch 1's ALONE_COLD_TRIALS (probing
+    at every step until then had cost a batch-32 round 4%). Drafts accepted 2% of the time,
+    cheap enough that drafting could pay: cold probes, then the backed-off schedule."""
+    k, n, rng = 4, 8, np.random.default_rng(5)
+    policy = _policy(k)
+    policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))
+    probes = []
+    for _ in range(600):
+        step = policy.begin_step("adaptive", [300] * n, [k] * n, 1, k)
+        probes.append(step.probe)
+        m = step.budget
+        if not m:
+            policy.end_plain_step(step)
+            continue
+        top, margin = np.full((n, m), 0.5), np.full((n, m), 0.3)
+        keep = np.array(step.keep(top, top, margin, None))
+        accepted = np.array([int(c > 0 and rng.random() < 0.02) for c in keep])
+        width = int(keep.max())
+        policy.end_step(step, top[:, :width], margin[:, :width], keep, accepted)
+    assert not policy.cold and policy.cold_alone  # (batch 1 would still be cold)
+    assert COLD_TRIALS - 8 <= sum(probes[:80]) and sum(probes[80:]) <= 5, (sum(probes[:80]), sum(probes[80:]))
 
 
 def test_cold_probes_do_not_back_off_the_probe_schedule():

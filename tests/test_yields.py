@@ -123,7 +123,7 @@ def test_one_request_s_drafts_do_not_stand_batch_1_down():
     policy.install(tm)
     policy.probes.hold()
     policy.calibrator.hits[:, 0], policy.calibrator.trials[:, 0] = 800, 1000
-    policy.cold = False
+    policy.cold = policy.cold_alone = False
     yields = policy.yields.of(1)
 
     def budget(scale: int):
