@@ -174,7 +174,8 @@ def test_the_policy_decides_batch_1_with_the_compiled_one_row(ops):
         for ask in ("keep_drafting", "early_stop"):
             policy = SpecPolicy(cfg, compiled=compiled)
             policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))  # drafting pays
-            policy.cold = policy.cold_alone = False  # a warm controller (a cold one probes at every step where drafting could pay)
+            # a warm controller (a cold one probes at every step where drafting could pay)
+            policy.cold = policy.cold_alone = False
             policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)  # the first step probes: not this one
             step = policy.begin_step("adaptive", np.array([5]), np.array([3]), 1, 3)
             assert step.budget > 0 and not step.probe
