@@ -265,9 +265,10 @@ class ProfileRegistry:
             return FitReport(self.model, float("nan"), float("nan"), len(validated))
         rows = _features(validated)
         drafted = self._steady_drafts(data)  # the draft cost of steady drafting
-        # a step's rest: plain steps', and steady drafting steps' where there are enough of them to say what
-        # drafting adds (o2 + o3 n); else that as last measured (`_extra_rest`)
-        timed = (data[:, OTHER_MS] > 0) & (data[:, EMITTED] > 0)
+        # a step's rest: plain steps' (settled after drafting, as for the validate fit), and steady drafting
+        # steps' where there are enough of them to say what drafting adds (o2 + o3 n); else that as last
+        # measured (`_extra_rest`)
+        timed = (data[:, OTHER_MS] > 0) & (data[:, EMITTED] > 0) & (data[:, SETTLING] == 0)
         drafting = data[:, DRAFT_STEPS] > 0
         steady = timed & drafting & _steady(data)
         measured = int(steady.sum()) >= DRAFT_MIN_SAMPLES

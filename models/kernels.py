@@ -117,11 +117,14 @@ def ops_for(*tensors: torch.Tensor):
 # (MKL on two threads: 8.9 ms, but then its OpenMP team spins against the pool).
 def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias). Float32 inference on the CPU goes to the packed kernel
-    (models/csrc/gemm.cpp): the weight is packed on first use and kept on `owner`
-    (models/loader.py drops it when it loads new weights)."""
+    (models/csrc/gemm.cpp): the weight is packed on first use and kept on `owner`, or on the
+    module owner reads its weights from (PACK_OWNER, models/share.py), so one packed copy
+    serves every module that shares the weight (models/loader.py drops it when it loads new
+    weights)."""
     if x.dim() == 2:
         ops = ops_for(x, weight)
         if ops is not None:
+            owner = owner.__dict__.get(PACK_OWNER, owner)
             packed = owner.__dict__.get("_packed")
             if packed is None or packed[0] != weight.data_ptr():
                 w = weight.detach().to(owner.__dict__.get(PACK_DTYPE, _F32))
@@ -131,6 +134,7 @@ def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 PACK_DTYPE = "_pack_dtype"  # a module's packed weights' dtype (float32 if unset)
+PACK_OWNER = "_pack_owner"  # the module whose packed copy a module's weight-sharing linear reads (models/share.py)
 
 
 def pack_weights_as(module: nn.Module, dtype: torch.dtype) -> None:
@@ -143,6 +147,7 @@ def pack_weights_as(module: nn.Module, dtype: torch.dtype) -> None:
     for m in module.modules():
         m.__dict__[PACK_DTYPE] = dtype
         m.__dict__.pop("_packed", None)
+        m.__dict__.pop(PACK_OWNER, None)  # (packed in its own dtype, a copy of its own)
 
 
 def speed_check(ops, rows: int = 64, reps: int = 5) -> float:

@@ -13,6 +13,7 @@ from torch import nn
 from models.config import ModelArch
 from models.decoder import CausalLM
 from models.deepseek import DeepseekV3CausalLM
+from models.kernels import PACK_OWNER
 from models.parallel import TPGroup
 
 # checkpoint name fragment -> (our fused name fragment, shard id)
@@ -64,6 +65,7 @@ def load_weights(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
         param = params[name]
         owners[name].weight_loader(param, full.to(param.dtype), shard)
         owners[name].__dict__.pop("_packed", None)  # a packed copy of the old weight (models.kernels.linear)
+        owners[name].__dict__.pop(PACK_OWNER, None)  # ... or another module's, whose weight it no longer reads
         loaded.add(name)
     return loaded
 

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.bench.paired import (arrivals, comparisons, group_engines, groups, main, paired_round, rate_point,
                                   share_engine_weights, sweep)
+from models.kernels import PACK_OWNER
 from tests.conftest import TEST_SIZING, greedy, local_engine, tiny_config
 
 
@@ -139,16 +140,23 @@ def test_each_pair_runs_on_its_own_engines():
                                                                                    ("adaptive-3", "static-3", 2)]
 
 
-def test_engines_read_one_copy_of_each_model():
+@pytest.mark.parametrize("stepped_first", [True, False])
+def test_engines_read_one_copy_of_each_model(stepped_first):
     """The target is shared by every engine, the draft (MTP module and its head) by those that
-    draft, the kernels' packed copies with them; the engines still emit the same tokens."""
+    draft, the kernels' packed copies with them, whether the kernels had packed them before
+    (engines that stepped) or pack them after (shared before any forward, as bench-paired
+    shares them); the engines still emit the same tokens."""
     sizing = ("speculative.adaptive.profile_on_start=false", "parallel.tp_size=1")
     engines = [local_engine(tiny_config(*sizing, *o)) for o in
                (["speculative.enabled=false"], ["speculative.adaptive.enabled=false"], [])]
     try:
-        for e in engines:  # a step each, so the kernels have packed their weights
-            e.generate([[5, 6, 7, 8]], greedy(4))
+        if stepped_first:
+            for e in engines:  # a step each, so the kernels have packed their weights
+                e.generate([[5, 6, 7, 8]], greedy(4))
         share_engine_weights(engines)
+        specs = [SimpleNamespace(prompt=[5 + i, 9, 11 + i], max_tokens=6) for i in range(4)]
+        runs = paired_round(engines, specs, float("inf"), seed=0)
+        assert all(r.output_tokens() == 24 for r in runs)
         mods = [e.workers.worker.runner.weight_modules() for e in engines]
         assert set(mods[0]) == {"target"} and set(mods[1]) == set(mods[2]) == {"target", "draft", "draft_head"}
         for i, role in ((1, "target"), (2, "target"), (2, "draft"), (2, "draft_head")):
@@ -156,11 +164,15 @@ def test_engines_read_one_copy_of_each_model():
             for (name, a), b in zip(mods[i][role].state_dict(keep_vars=True).items(),
                                     src.state_dict(keep_vars=True).values()):
                 assert a.data_ptr() == b.data_ptr(), f"{role}.{name}"
-            packed = [m.__dict__.get("_packed") for m in src.modules()]
-            assert any(packed) and [m.__dict__.get("_packed") for m in mods[i][role].modules()] == packed
-        specs = [SimpleNamespace(prompt=[5 + i, 9, 11 + i], max_tokens=6) for i in range(4)]
-        runs = paired_round(engines, specs, float("inf"), seed=0)
-        assert all(r.output_tokens() == 24 for r in runs)
+            # every packed copy any engine's module reads is the source module's
+            held = [id(m.__dict__["_packed"][1]) for m in src.modules() if "_packed" in m.__dict__]
+            assert held
+            reads = []
+            for m in mods[i][role].modules():
+                owner = m.__dict__.get(PACK_OWNER, m)
+                if "_packed" in owner.__dict__:
+                    reads.append(id(owner.__dict__["_packed"][1]))
+            assert sorted(reads) == sorted(held), role
     finally:
         for e in engines:
             e.shutdown()

@@ -253,6 +253,33 @@ def test_a_plain_step_is_priced_at_plain_decoding_s_cost_not_a_settling_one_s():
         assert abs(prices[True] - 1.0) < 0.03 and prices[False] > 1.04, (kind, prices)
 
 
+def test_a_plain_step_s_rest_is_priced_at_settled_plain_steps_not_settling_ones():
+    """The same for the rest of a step (o0 + o1 E): in an engine that drafts, its plain steps are
+    mostly the first after drafting (at batch 1 every sequence's last step, which drafts
+    nothing, some 45 for each plain probe's stretch, whose first steps settle too), and their
+    rest runs dearer (here 0.10 ms against a settled 0.07). Left out as the validate fit leaves
+    them out, a plain step's rest is what the settled ones cost; counted, it was priced at
+    0.095 ms, plain decoding looking dearer than it is."""
+    rng = np.random.default_rng(12)
+
+    def step(drafts, rest, settling=0):
+        emitted = 3 if drafts else 1
+        return StepSample(1, 4 if drafts else 1, 800 if drafts else 200, 1.0, 3 if drafts else 0,
+                          0.6 if drafts else 0.0, rest * (1 + rng.normal(0, 0.01)), emitted, catchup_tokens=1,
+                          settling=settling)
+    online = []
+    for _ in range(4):  # per plain probe's stretch, 45 sequences' last steps (batch 1: 22 drafting steps each)
+        for _ in range(45):
+            online += [step(True, 0.15) for _ in range(22)] + [step(False, 0.10, 1)]
+        online += [step(False, 0.10, 1) for _ in range(SETTLE_STEPS)]
+        online += [step(False, 0.07) for _ in range(PLAIN_RUN - SETTLE_STEPS)]
+    reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1))
+    reg.add(online)
+    model = reg.refit().model
+    assert abs(model.other_ms(1) - 0.07) < 0.004, model.other_ms(1)
+    assert abs(model.other_ms(3) + model.o2 - 0.15) < 0.01  # a drafting step's rest stays its own
+
+
 def test_a_sweep_taken_at_a_slow_moment_is_rescaled_by_the_online_steps():
     """The sweep ran 2x slow, validate and draft alike; online, only plain steps came (standing
     down yields no draft steps). A drift refit comes after the first RECENT steps (the initial
