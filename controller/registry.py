@@ -5,10 +5,11 @@ startup sweep's points (rescaled to the machine's speed now: `sweep_speed`) plus
 of recent online steps, and refits every `refit_every` new samples (twice as long after
 each scheduled refit that changed no prediction of the recent steps by SAME_FIT, up to
 SCHEDULE_MAX times), or sooner when the recent prediction error grows well past the error
-of the last fit (waiting twice as long each time such a refit does not bring the error back
-down). Samples are kept as columns of numbers (`SampleColumns`, controller/samples.py), so a
-refit reads arrays instead of thousands of objects: with a full window a refit took 4.8 ms
-from the objects (6.7 ms for the table model), 2.2 ms (4.4) from columns. An in-process
+of the last fit (waiting twice as long, up to SCHEDULE_MAX times refit_every, after each
+such refit that changed no prediction). Samples are kept as columns of numbers
+(`SampleColumns`, controller/samples.py), so a refit reads arrays instead of thousands of
+objects: with a full window a refit took 4.8 ms from the objects (6.7 ms for the table
+model), 2.2 ms (4.4) from columns. An in-process
 rank pays it inside its step loop, and at batch 1, where the linear model's recent error
 stayed above twice its fit's, drift refits had come every 32-70 steps.
 """
@@ -35,7 +36,7 @@ SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
 PLAIN_MIN_SAMPLES = 16  # settled plain steps in the window that say how fast plain decoding runs now
 DRAFT_MIN_SAMPLES = 16  # steady online draft steps that say how much dearer the draft runs in the engine
 SAME_FIT = 0.05  # a scheduled refit whose model predicts the recent steps within this of the last one's ...
-SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every
+SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every (drift refits too)
 
 
 class ProfileRegistry:
@@ -91,21 +92,20 @@ class ProfileRegistry:
         if not scheduled:
             if self.since_fit < RECENT or len(self.recent_err) < RECENT:
                 return None
-            if not self._drifted():
-                self.drift_wait = RECENT
+            if not self._drifted() or self.since_fit < self.drift_wait:
                 return None
-            if self.since_fit < self.drift_wait:
-                return None
-        # a steady machine gives the same fit again and again (2 ms each, in the step loop of an in-process
+        # a steady machine gives the same fit again and again (2-5 ms each, in the step loop of an in-process
         # rank): while they change nothing, scheduled refits come half as often
         self.refit()
         same = _predicts_alike(model, self.model, self._online.rows()[-RECENT:])
         if scheduled or not same:
             self.schedule = min(2 * self.schedule, SCHEDULE_MAX * self.refit_every) if same else self.refit_every
-        if not scheduled:
-            # the window holds thousands of samples: a refit 32 steps after one that left the error as high
-            # (a regime the model cannot follow) changes little, so wait twice as long
-            self.drift_wait = min(2 * self.drift_wait, self.refit_every)
+        if not same:
+            self.drift_wait = RECENT  # the model moved: follow it
+        elif not scheduled:
+            # the window holds thousands of samples: a drift refit that changed no prediction (noise the error
+            # crossed its bar on, or a regime the model cannot follow yet) is followed by one twice as late
+            self.drift_wait = min(2 * self.drift_wait, SCHEDULE_MAX * self.refit_every)
         return self.model
 
     def _report_on_sweep(self, model: TimeModel) -> FitReport | None:

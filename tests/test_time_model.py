@@ -628,3 +628,34 @@ def test_a_draft_right_after_a_one_off_is_not_its_steady_cost():
     model = reg.refit().model
     assert all(abs(reg.draft_overhead(n) - 1.0) < 0.05 for n in (1, 2, 5, 8))
     assert all(abs(model.draft_ms(n, 3) - _draft_law(n, 3)) < 0.05 * _draft_law(n, 3) for n in (1, 2, 5, 8))
+
+
+def test_drift_refits_that_change_nothing_back_off_past_refit_every():
+    """At batch 1 the recent error crossed its bar on noise now and then: drift refits came
+    every 128-256 steps and nearly all of them (12 of 15 refits in three rounds, 5 ms each in
+    the step loop) gave the model they replaced. A drift refit that changes no prediction is
+    followed by one twice as late, up to SCHEDULE_MAX times refit_every, whatever the error
+    did in between; a refit that moves the model brings the wait back to RECENT."""
+    rng = np.random.default_rng(11)
+    reg = ProfileRegistry(refit_every=64, initial=TimeModel(version=1))
+    reg.seed(_samples(rng, 200))
+    reg.add(_samples(rng, 1000))  # a fit on the steady machine
+    drifts, seen = [], 0
+    for block in range(160):  # one block of RECENT steps in four is noisy (+-40%): its error crosses the bar
+        for s in _samples(rng, RECENT):
+            if block % 4 == 3:
+                s = s._replace(validate_ms=s.validate_ms * float(np.clip(1 + rng.normal(0, 0.4), 0.3, 3)))
+            seen += 1
+            scheduled = reg.since_fit + 1 >= reg.schedule
+            if reg.add([s]) is not None and not scheduled:
+                drifts.append(seen)
+    gaps = np.diff(drifts).tolist()
+    assert 3 <= len(drifts) <= 6 and gaps[-1] >= SCHEDULE_MAX * 64 // 2, gaps  # backed off (had come every 128: 31)
+    assert reg.drift_wait == SCHEDULE_MAX * 64
+    # the machine got 10x slower: the robust fit leaves the new steps out until they fill half the window (no drift
+    # refit could follow sooner); the first refit that moves the model brings the wait back to RECENT
+    b0 = reg.model.b0
+    for s in _samples(rng, WINDOW, b=(20.0, 0.5, 1e-3)):
+        if reg.add([s]) is not None and reg.model.b0 > 1.1 * b0:
+            break
+    assert reg.model.b0 > 1.1 * b0 and reg.drift_wait == RECENT
