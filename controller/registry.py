@@ -9,9 +9,9 @@ of the last fit (waiting twice as long, up to SCHEDULE_MAX times refit_every, af
 such refit that changed no prediction). Samples are kept as columns of numbers
 (`SampleColumns`, controller/samples.py), so a refit reads arrays instead of thousands of
 objects: with a full window a refit took 4.8 ms from the objects (6.7 ms for the table
-model), 2.2 ms (4.4) from columns. An in-process
-rank pays it inside its step loop, and at batch 1, where the linear model's recent error
-stayed above twice its fit's, drift refits had come every 32-70 steps.
+model), 2.2 ms (4.4) from columns. An in-process rank pays it inside its step loop, and at
+batch 1, where the linear model's recent error stayed above twice its fit's, drift refits
+had come every 32-70 steps.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ SPEED_LIMITS = (0.25, 4.0)  # the sweep is never rescaled by more than this
 PLAIN_MIN_SAMPLES = 16  # settled plain steps in the window that say how fast plain decoding runs now
 DRAFT_MIN_SAMPLES = 16  # steady online draft steps that say how much dearer the draft runs in the engine
 SAME_FIT = 0.05  # a scheduled refit whose model predicts the recent steps within this of the last one's ...
-SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one, up to this many times refit_every (drift refits too)
+SCHEDULE_MAX = 8  # ... doubles the wait for the next scheduled one (and drift ones), up to this many times refit_every
 
 
 class ProfileRegistry:
