@@ -155,6 +155,8 @@ class SpecPolicy:
                 return PlainStep(self, down.model, kv, max_keep, k)
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
+        if not k and mode == "static":  # plain decoding: nothing to decide (a SpecStep had cost it 2-3 us a step)
+            return PlainStep(self, self.model(version), kv, max_keep, 0, mode)
         probe = learning = False
         model = self.model(version)
         total = None  # the batch's summed context, where the budget needs it

@@ -35,17 +35,18 @@ class StandDown:
 
 class PlainStep:
     """An adaptive step past the context where no draft budget beats a plain step
-    (StepTerms.stand_down_at, controller/terms.py): a plain decode step, as a SpecStep with budget 0 would be,
-    without building one between two forwards. The runner and SpecPolicy.end_plain_step read
+    (StepTerms.stand_down_at, controller/terms.py), or a static step with nothing to draft (k = 0:
+    plain decoding): a plain decode step, as a SpecStep with budget 0 would be, without building
+    one between two forwards. The runner and SpecPolicy.end_plain_step read
     only what it holds; asked for anything else (a test deciding on drafts anyway), it builds
     that SpecStep and answers from it."""
 
-    __slots__ = ("policy", "model", "kv", "max_keep_list", "k", "_full")
-    mode, probe, cold_start, budget, best_m, wants = "adaptive", False, False, 0, 0, 0
+    __slots__ = ("policy", "model", "kv", "max_keep_list", "k", "mode", "_full")
+    probe, cold_start, budget, best_m, wants = False, False, 0, 0, 0
 
-    def __init__(self, policy, model: TimeModel, kv, max_keep, k: int):
+    def __init__(self, policy, model: TimeModel, kv, max_keep, k: int, mode: str = "adaptive"):
         self.policy, self.model, self.kv, self.max_keep_list, self.k = policy, model, kv, max_keep, k
-        self._full = None
+        self.mode, self._full = mode, None
 
     @property
     def max_keep(self) -> np.ndarray:
@@ -53,6 +54,6 @@ class PlainStep:
 
     def __getattr__(self, name: str):
         if self._full is None:
-            self._full = SpecStep(self.policy, "adaptive", False, self.kv, self.max_keep_list, self.model, None,
+            self._full = SpecStep(self.policy, self.mode, False, self.kv, self.max_keep_list, self.model, None,
                                   self.k)
         return getattr(self._full, name)

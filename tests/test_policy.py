@@ -811,3 +811,21 @@ def test_batch_1_stands_down_on_the_fast_path_as_its_one_row_would(seq_history):
     else:
         assert kinds.count("PlainStep") >= 200 and held >= 200, (kinds.count("PlainStep"), held)
         assert "PlainStep" not in kinds[:100]  # below the point its OneRow decides
+
+
+def test_plain_decoding_steps_without_building_a_spec_step():
+    """A static step with nothing to draft (k = 0: plain decoding, or a static sequence's last
+    step) is a PlainStep of its mode, answering what a SpecStep would: budget 0, no probe, the
+    caps as given; asked for anything else it builds that step (in its own mode)."""
+    policy = _policy(3)
+    policy.install(TimeModel(version=1))
+    for kv, caps in (([40], [0]), ([10, 20, 30], [0, 0, 0])):
+        step = policy.begin_step("static", kv, caps, 1, 0)
+        assert isinstance(step, PlainStep) and step.mode == "static" and step.model.version == 1
+        assert step.budget == 0 and not step.probe and step.max_keep.tolist() == caps
+        assert step.rows is None and step._full.mode == "static"  # built on demand, in its mode
+        steps = policy.adaptive_steps
+        policy.end_plain_step(step)
+        assert policy.adaptive_steps == steps
+    assert not isinstance(policy.begin_step("static", [40], [3], 1, 3), PlainStep)  # drafts: a SpecStep
+    assert not isinstance(policy.begin_step("oracle", [40], [0], 1, 0), PlainStep)
