@@ -92,7 +92,7 @@ class ProfileRegistry:
         if not scheduled:
             if self.since_fit < RECENT or len(self.recent_err) < RECENT:
                 return None
-            if not self._drifted() or self.since_fit < self.drift_wait:
+            if self.since_fit < self.drift_wait or not self._drifted():
                 return None
         # a steady machine gives the same fit again and again (2-5 ms each, in the step loop of an in-process
         # rank): while they change nothing, scheduled refits come half as often
