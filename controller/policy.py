@@ -129,7 +129,14 @@ class SpecPolicy:
         Probe steps: without them, positions the budget calls hopeless would never be
         drafted, and the estimates could never learn that they are not. A probe drafts one
         position past the budget; the exploration in `keep` verifies it for a rotating share of
-        the sequences. (Drafting all k at a probe was tried: DESIGN.md section 8, probes.)
+        the sequences. (Drafting all k at a probe was tried: DESIGN.md section 8, probes.) Past
+        the cold start, no step probes where drafting could not pay were every draft verified
+        and accepted (`could_pay`): no rate a probe could teach would change the budget there,
+        and a probe where it stands down catches its row up on everything since it last drafted
+        (in a batch-capped run at 32 sequences, one probe cost 5-7 ms against a 2.2 ms step).
+        During the cold start those steps keep their probe schedule: their first drafts help end
+        it (without them, an engine at 32 sequences had probed at every step of its rounds' last
+        few sequences, where drafting could pay, for twice as many rounds).
 
         A cold start (the calibrator has verified fewer than COLD_TRIALS first drafts, or for a
         step of one sequence ALONE_COLD_TRIALS) probes at every adaptive step where drafting
@@ -164,8 +171,11 @@ class SpecPolicy:
             self.adaptive_steps += 1
             n = len(kv)
             cold = self.cold_alone if n == 1 else self.cold
-            learning = cold and k > 0 and self.terms.could_pay(model, n, k)
-            probe = self.probes.due(n, cold=learning)
+            # where no acceptance rate could make drafting pay, a probe could learn nothing the budget reads (but
+            # for the first drafts that end a cold start: DESIGN.md section 3, probes)
+            pays = k > 0 and self.terms.could_pay(model, n, k)
+            learning = cold and pays
+            probe = self.probes.due(n, cold=learning, allowed=pays or cold)
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
             at = level_in(*record, self.pooled_rate, self._bounds) if n == 1 and record and self.seq_history else 0
@@ -177,7 +187,7 @@ class SpecPolicy:
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
                     if not cold:  # (a cold start's steps may probe at any step)
-                        self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n))
+                        self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n), pays)
                     return PlainStep(self, model, kv, max_keep, k)
             if n == 1 and k and self.one_row_steps:
                 if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)

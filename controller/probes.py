@@ -64,12 +64,14 @@ class ProbeSchedule:
         self.plain = 0  # plain probes
         self.plain_every = PLAIN_EVERY
 
-    def due(self, n: int, cold: bool = False) -> bool:
+    def due(self, n: int, cold: bool = False, allowed: bool = True) -> bool:
         """Does the next adaptive step, of n sequences, probe? (Counted as one if so.)
-        cold: it does (a cold start's probe), and the schedule starts from it."""
+        cold: it does (a cold start's probe), and the schedule starts from it; allowed: False
+        where no acceptance rate could make drafting pay (TimeModel terms' could_pay): it does
+        not, however long since the last (its step is counted all the same)."""
         b = batch_bucket(n)
         step = self.steps[b] = self.steps[b] + 1
-        if not cold and step - self.last[b] < self.every[b]:
+        if not allowed or (not cold and step - self.last[b] < self.every[b]):
             return False
         self.last[b], self.probes = step, self.probes + 1
         return True

@@ -26,11 +26,15 @@ class StandDown:
 
     __slots__ = ("version", "n", "k", "b2", "start", "counts", "bucket", "probe_at", "model")
 
-    def __init__(self, version: int, model, n: int, k: int, start: float, probes, bucket: int):
+    def __init__(self, version: int, model, n: int, k: int, start: float, probes, bucket: int,
+                 may_probe: bool = True):
+        """may_probe: False where no probe is ever due at these terms (drafting could not pay
+        were every draft accepted: ProbeSchedule.due's `allowed`)."""
         self.version, self.model, self.n, self.k = version, model, n, k
         self.b2, self.start = model.b2, start
         self.counts, self.bucket = probes.steps, bucket
-        self.probe_at = probes.last[bucket] + probes.every[bucket]  # ProbeSchedule.due's first True
+        # ProbeSchedule.due's first True
+        self.probe_at = probes.last[bucket] + probes.every[bucket] if may_probe else float("inf")
 
 
 class PlainStep:

@@ -76,10 +76,14 @@ class StepTerms:
 
     def could_pay(self, tm: TimeModel, n: int, k: int) -> bool:
         """Would drafting beat a plain step for n sequences were every draft verified and
-        accepted (the context's cost left out)? If not, no acceptance rate can make it pay."""
-        base, terms = self.budget_terms(tm, n, k, optimistic=True)
-        scale = (1.0 + self.min_gain) * self.enter(n)
-        return any(expected / fixed > scale / base for _, expected, fixed, _ in terms)
+        accepted (the context's cost left out)? If not, no acceptance rate can make it pay.
+        Computed once per time model and batch size (it reads no shares)."""
+        def compute():
+            base, terms = self.budget_terms(tm, n, k, optimistic=True)
+            scale = (1.0 + self.min_gain) * self.enter(n)
+            return any(expected / fixed > scale / base for _, expected, fixed, _ in terms)
+
+        return self._per_model(tm, ("pays", id(tm), n, k), compute)
 
     def budget_terms(self, tm: TimeModel, n: int, k: int, optimistic: bool = False,
                      at: int = 0) -> tuple[float, list[tuple]]:

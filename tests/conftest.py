@@ -60,6 +60,19 @@ def greedy(max_tokens: int) -> RequestParams:
     return RequestParams(max_tokens=max_tokens, ignore_eos=True)
 
 
+def teach(policy, rate: float, k: int, times: int = 600) -> None:
+    """`times` validation outcomes observed by a SpecPolicy: k drafts verified, each position
+    accepted at `rate` (conditional)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(times):
+        accepted = 0
+        while accepted < k and rng.random() < rate:
+            accepted += 1
+        policy.observe(np.full((1, k), 0.5), np.full((1, k), 0.2), np.array([k]), np.array([accepted]))
+
+
 def token_ids(results) -> list[list[int]]:
     return [samples[0].token_ids for samples in results]
 

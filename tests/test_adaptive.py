@@ -7,15 +7,26 @@ import pytest
 from cluster.engine.core import Engine
 from cluster.engine.request import RequestParams
 from controller.time_model import TimeModel
-from tests.conftest import REFERENCE_TOKENS, greedy, local_engine, tiny_config, token_ids
+from tests.conftest import REFERENCE_TOKENS, greedy, local_engine, teach, tiny_config, token_ids
 
 MAX_TOKENS = REFERENCE_TOKENS
 ADAPTIVE = ("speculative.adaptive.enabled=true", "speculative.adaptive.profile_on_start=false",
             "speculative.num_speculative_tokens=7")
 # Drafting cheap and each validated token a tenth of a step's fixed cost: at batch 8 drafting
-# pays, and the least likely drafts do not pay their validation (at 0.13 a token the budget
-# stands down at batch 8, and only probes draft).
+# pays, and the least likely drafts do not pay their validation.
 PRUNING_MODEL = TimeModel(b0=1.0, b1=0.1, b2=0.0, d0=0.05, d1=0.001)
+# At 0.13 a token drafting could pay at batch 8 only were most drafts accepted: with 30% accepted
+# (`_warm`) the budget stands down, and only the scheduled probes draft.
+STAND_DOWN_MODEL = TimeModel(b0=1.0, b1=0.13, b2=0.0, d0=0.05, d1=0.001)
+
+
+def _warm(engine: Engine, rate: float) -> None:
+    """The engine's policy past its cold start (which would probe at every step), each draft
+    position accepted at `rate` (conditional) in what it has seen."""
+    policy = engine.workers.worker.runner.policy
+    teach(policy, rate, 7)
+    policy._flush()
+    assert not policy.cold
 
 
 
@@ -82,9 +93,28 @@ def test_early_stop_skips_draft_steps(sharegpt_prompts, reference):
 
 
 def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts, reference):
+    """A draft step that costs a second: no acceptance rate could make drafting pay, so no step
+    drafts, past the cold start not even a probe, and the text is the target's."""
     engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
     try:
-        engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
+        _warm(engine, 0.8)
+        engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))
+        assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
+        st = engine.stats
+        assert st.decode_steps > 0 and st.zero_budget_steps == st.decode_steps and st.drafted == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_probe_where_drafting_does_not_pay_drafts_for_one_row(sharegpt_prompts, reference):
+    """Drafts accepted 30% of the time and each validated token 0.13 of a step's fixed cost: at
+    batch 8 the budget stands down (drafting could pay only were most drafts accepted), and the
+    scheduled probes draft for the one row exploration verifies, not for all 8 (the others would
+    catch up on their whole history for drafts nobody verifies)."""
+    engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE))
+    try:
+        _warm(engine, 0.3)
+        engine.time_models.install(STAND_DOWN_MODEL)
         last = len(sharegpt_prompts) - 1  # sampled; the first probe's exploration row
         for i, prompt in enumerate(sharegpt_prompts):
             engine.add_request(prompt, RequestParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1) if i == last
@@ -96,8 +126,6 @@ def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts,
         assert len(done[f"req-{last}"]) == MAX_TOKENS
         st = engine.stats
         assert st.zero_budget_steps > 0.8 * st.decode_steps  # all but the periodic probes
-        # a probe drafts for the one row exploration verifies, not for all 8: the others would catch up on
-        # their whole history for drafts nobody verifies
         probes = st.decode_steps - st.zero_budget_steps
         assert 0 < st.drafted <= probes and st.verified == st.drafted
         # and the registry learns the draft time of the one row that drafted, not of a batch of 8
@@ -174,7 +202,8 @@ def test_registry_samples_a_stretch_of_plain_steps(tmp_path, sharegpt_prompts):
     trace = tmp_path / "steps.jsonl"
     engine = local_engine(tiny_config("parallel.tp_size=1", *ADAPTIVE, f"engine.trace_path={trace}"))
     try:
-        engine.time_models.install(TimeModel(b0=1.0, b1=0.01, b2=0.0, d0=1000.0, d1=0.0))  # a draft step costs 1 s
+        _warm(engine, 0.3)
+        engine.time_models.install(STAND_DOWN_MODEL)
         for prompt in sharegpt_prompts:
             engine.add_request(prompt, greedy(64))  # stretches longer than a plain probe's
         while engine.has_work():

@@ -2,7 +2,6 @@
 how a level moves a batch-1 step's budget and early stop, and that the runner keeps it."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from controller import history
@@ -10,7 +9,7 @@ from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.history import LEVELS, level, record, shifted, shifted_shares
 from controller.policy import SpecPolicy
 from controller.time_model import TimeModel
-from tests.conftest import greedy, local_engine, tiny_config
+from tests.conftest import greedy, local_engine, teach, tiny_config
 
 
 def test_a_record_counts_the_trials_up_to_the_first_rejection_and_forgets_slowly():
@@ -69,12 +68,7 @@ def _batch_1_budgets(seq_history: bool, rate: float = 0.6) -> dict[int, int]:
     accepted at `rate` and a draft step costs about what a token brings at that rate."""
     policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=6,
                                           adaptive=AdaptiveConfig(enabled=True, seq_history=seq_history)))
-    rng = np.random.default_rng(0)
-    for _ in range(400):
-        accepted = 0
-        while accepted < 6 and rng.random() < rate:
-            accepted += 1
-        policy.observe(np.full((1, 6), 0.5), np.full((1, 6), 0.2), np.array([6]), np.array([accepted]))
+    teach(policy, rate, 6, times=400)
     policy.install(TimeModel(version=1, b0=1.0, b1=0.02, d0=0.45, d1=0.0))
     policy.probes.hold()  # no probe
     out = {}

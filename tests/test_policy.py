@@ -17,6 +17,8 @@ from controller.one_row_step import OneRowStep
 from controller.stand_down import PlainStep
 from controller.step import EXPLORE_EVERY
 from controller.time_model import TimeModel
+from controller.yields import batch_bucket
+from tests.conftest import teach
 
 
 def test_calibrator_counts_trials_and_hits_by_position_and_bucket():
@@ -144,12 +146,7 @@ def _budget(policy: SpecPolicy, model: TimeModel, n: int = 4, k: int = 4) -> int
 
 def _teach(policy: SpecPolicy, rate: float, k: int = 4) -> None:
     """Every position accepted at `rate` (conditional), seen 600 times (no longer cold)."""
-    rng = np.random.default_rng(0)
-    for _ in range(600):
-        accepted = 0
-        while accepted < k and rng.random() < rate:
-            accepted += 1
-        policy.observe(np.full((1, k), 0.5), np.full((1, k), 0.2), np.array([k]), np.array([accepted]))
+    teach(policy, rate, k)
     assert not policy.cold
 
 
@@ -407,15 +404,47 @@ def test_cold_probes_do_not_back_off_the_probe_schedule():
     assert cold_steps >= 32 and policy.probes.every_at(1) == PROBE_EVERY
 
 
-def test_a_cold_start_does_not_probe_where_no_acceptance_could_pay():
-    """A draft step dearer than what a whole step of accepted drafts saves: cold or not, the
-    probes keep their schedule (the first adaptive step, then backing off)."""
-    policy = _policy(4)
+def test_no_step_probes_where_no_acceptance_could_pay():
+    """A draft step dearer than what a whole step of accepted drafts saves: past the cold start
+    no step probes (no rate a probe could teach would change the budget, and each stand-down
+    probe catches its row up on everything since it last drafted); the schedule counts the
+    steps all the same, and a model under which drafting could pay probes again at once.
+    During the cold start there is no cold start's probe at every step, but the probes keep
+    their schedule (the first adaptive step, then backing off): their first drafts help end it."""
     costly = TimeModel(version=1, b0=5.0, b1=0.1, d0=50.0, d1=0.0)
-    assert not policy.terms.could_pay(costly, 4, 4) and policy.terms.could_pay(TimeModel(b0=5.0, b1=0.1, d0=0.5), 4, 4)
+    cheap = TimeModel(version=2, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
+    cold = _policy(4)
+    assert not cold.terms.could_pay(costly, 4, 4) and cold.terms.could_pay(cheap, 4, 4)
     for _ in range(200):
-        _budget(policy, costly)
-    assert policy.cold and policy.probes.probes == 3  # steps 1, 33 and 97: the interval doubled
+        _budget(cold, costly)
+    assert cold.cold and cold.probes.probes == 3  # steps 1, 33 and 97: the interval doubled
+    warm = _policy(4)
+    _teach(warm, 0.02)
+    assert [_budget(warm, costly) for _ in range(5000)] == [0] * 5000
+    assert warm.probes.probes == 0 and warm.probes.steps[batch_bucket(4)] == 5000
+    assert _budget(warm, cheap) == 1 and warm.probes.probes == 1  # a stand-down probe: one position
+
+
+def test_standing_down_where_no_acceptance_could_pay_stays_on_the_fast_path():
+    """Where no probe can be due (drafting could not pay were every draft accepted), a stand-down
+    holds on begin_step's fast path step after step, answering as the full path does."""
+    fast, full = _policy(4), _policy(4)
+    costly = TimeModel(version=1, b0=5.0, b1=0.1, b2=1e-3, d0=50.0, d1=0.0)
+    for policy in (fast, full):
+        _teach(policy, 0.6)
+        policy._flush()  # (a calibration batch moves the rates, which ends a stand-down's fast path)
+        policy.install(costly)
+    held, kinds = None, []
+    for i in range(3000):
+        full._down = None
+        a = fast.begin_step("adaptive", [300] * 4, [4] * 4, 1, 4)
+        b = full.begin_step("adaptive", [300] * 4, [4] * 4, 1, 4)
+        assert (type(a), a.budget, a.probe) == (type(b), b.budget, b.probe) == (PlainStep, 0, False), i
+        fast.end_plain_step(a), full.end_plain_step(b)
+        held = held or fast._down
+        kinds.append(fast._down is held)
+    assert held is not None and held.probe_at == float("inf") and all(kinds)
+    assert fast.probes.steps == full.probes.steps and fast.probes.probes == full.probes.probes == 0
 
 
 @pytest.mark.parametrize("n", [1, 4])
