@@ -12,7 +12,8 @@ from controller.step import SpecStep
 from controller.time_model import TimeModel
 
 PAYS = dict(b0=5.0, b1=0.1, b2=2e-5, d0=0.05, d1=0.0, o0=0.2, o1=0.01)  # drafting pays at batch 1
-COSTLY = dict(b0=1.0, b1=0.5, d0=5.0, d1=0.0)  # it does not: the budget stands down, probes still draft
+# it does not: the budget stands down (drafting could pay only were nearly every draft accepted), probes still draft
+COSTLY = dict(b0=1.0, b1=0.5, d0=0.9, d1=0.0)
 
 
 def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k: int, top, margin, hits,
