@@ -171,11 +171,11 @@ class SpecPolicy:
             self.adaptive_steps += 1
             n = len(kv)
             cold = self.cold_alone if n == 1 else self.cold
+            learning = cold and k > 0 and self.terms.could_pay(model, n, k)
             # where no acceptance rate could make drafting pay, a probe could learn nothing the budget reads (but
-            # for the first drafts that end a cold start: DESIGN.md section 3, probes)
-            pays = k > 0 and self.terms.could_pay(model, n, k)
-            learning = cold and pays
-            probe = self.probes.due(n, cold=learning, allowed=pays or cold)
+            # for the first drafts that end a cold start: DESIGN.md section 3, probes); asked only where one is due
+            probe = self.probes.due(n, cold=learning,
+                                    allowed=None if cold else lambda: k > 0 and self.terms.could_pay(model, n, k))
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
             at = level_in(*record, self.pooled_rate, self._bounds) if n == 1 and record and self.seq_history else 0
@@ -187,7 +187,8 @@ class SpecPolicy:
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
                     if not cold:  # (a cold start's steps may probe at any step)
-                        self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n), pays)
+                        self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n),
+                                               self.terms.could_pay(model, n, k))
                     return PlainStep(self, model, kv, max_keep, k)
             if n == 1 and k and self.one_row_steps:
                 if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)

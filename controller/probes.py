@@ -64,14 +64,15 @@ class ProbeSchedule:
         self.plain = 0  # plain probes
         self.plain_every = PLAIN_EVERY
 
-    def due(self, n: int, cold: bool = False, allowed: bool = True) -> bool:
+    def due(self, n: int, cold: bool = False, allowed=None) -> bool:
         """Does the next adaptive step, of n sequences, probe? (Counted as one if so.)
-        cold: it does (a cold start's probe), and the schedule starts from it; allowed: False
-        where no acceptance rate could make drafting pay (TimeModel terms' could_pay): it does
-        not, however long since the last (its step is counted all the same)."""
+        cold: it does (a cold start's probe), and the schedule starts from it; allowed: None, or
+        a callable asked where the schedule would probe, whose False (no acceptance rate could
+        make drafting pay: StepTerms.could_pay) says it does not, however long since the last
+        (its step is counted all the same)."""
         b = batch_bucket(n)
         step = self.steps[b] = self.steps[b] + 1
-        if not allowed or (not cold and step - self.last[b] < self.every[b]):
+        if not cold and (step - self.last[b] < self.every[b] or (allowed is not None and not allowed())):
             return False
         self.last[b], self.probes = step, self.probes + 1
         return True
