@@ -173,7 +173,7 @@ class SpecPolicy:
             cold = self.cold_alone if n == 1 else self.cold
             learning = cold and k > 0 and self.terms.could_pay(model, n, k)
             # where no acceptance rate could make drafting pay, a probe could learn nothing the budget reads (but
-            # for the first drafts that end a cold start: DESIGN.md section 3, probes); asked only where one is due
+            # for the first drafts that end a cold start: DESIGN.md section 8, probes); asked only where one is due
             probe = self.probes.due(n, cold=learning,
                                     allowed=None if cold else lambda: k > 0 and self.terms.could_pay(model, n, k))
             if catchup is not None and not (model.catchup_ms and k):

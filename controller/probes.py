@@ -26,6 +26,12 @@ Two adaptive-7 engines stepped in turn on the same arrivals, one backing off to 
 25 / 50 / 75% of saturation (8 rounds a rate); a bucket where drafting starts to pay waits
 at most 4,096 of its steps to find out.
 
+Past the cold start, a step where drafting could not pay were every draft verified and
+accepted (StepTerms.could_pay) never probes (`due`'s `allowed`): no rate a probe could teach
+would change the budget there. At 32 sequences such probes had still come every round or two
+of a batch-capped run, each catching one row up on 88-370 tokens (4.9-7.3 ms against a 2.2 ms
+step). During the cold start they keep their schedule: their first drafts help end it.
+
 A plain probe is the other way round: every PLAIN_EVERY-th adaptive step that would draft
 (and is no probe) runs as a plain step. The time model prices what a step that drafts costs
 outside drafting and validation beyond a plain one (time_model.py, o2 + o3 n), and can tell
