@@ -359,6 +359,34 @@ def test_a_cold_start_outlasts_one_request_s_poor_drafts():
     assert abs(policy.next_rates[0] - 0.8) < 0.05
 
 
+def test_batch_1_s_cold_start_probes_no_row_further_behind_than_a_steady_step():
+    """Batch 1 still cold: a row no further behind than a steady step (the runner's catchup None)
+    probes at every step; one that stood down at a larger batch (the runner's catchup callable:
+    the last request of a batch-capped run at eight caught up on 100-140 tokens first) probes on
+    the schedule only: its first step, then backing off while its probes find nothing that pays."""
+    k, steps = 3, 200
+    model = TimeModel(version=1, b0=0.79, b1=0.06, b2=1.6e-4, d0=0.37, d1=0.053, o0=0.093, o1=0.093,
+                      catchup_ms=0.013)
+    probes = {}
+    for behind, catchup in (("steady", None), ("far", lambda k: 117 / 11)):
+        policy = _policy(k)
+        policy.install(model)
+        count = []
+        for i in range(steps):
+            assert policy.cold_alone
+            step = policy.begin_step("adaptive", [300], [k], 1, k, catchup=catchup)
+            count += [i] if step.probe else []
+            m = step.budget
+            if not m:
+                policy.end_plain_step(step)
+                continue
+            top, margin = np.full((1, m), 0.5), np.full((1, m), 0.3)
+            keep = np.array(step.keep(top, top, margin, None))
+            policy.end_step(step, top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.zeros(1, np.int64))
+        probes[behind] = count
+    assert probes == {"steady": list(range(steps)), "far": [0, 2 * PROBE_EVERY, 6 * PROBE_EVERY]}, probes
+
+
 def test_a_cold_start_at_eight_sequences_ends_after_cold_trials_first_drafts():
     """At eight sequences a cold probe's row turns, so COLD_TRIALS first drafts are many
     requests' already: the cold start ends there, not at batch 1's ALONE_COLD_TRIALS (probing
