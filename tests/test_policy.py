@@ -144,6 +144,20 @@ def _budget(policy: SpecPolicy, model: TimeModel, n: int = 4, k: int = 4) -> int
     return step.budget
 
 
+def _finish(policy: SpecPolicy, step, accept) -> None:
+    """End `step` as the engine would, every draft it made read at top probability 0.5 and margin
+    0.3; accept(keep) -> the drafts each row got accepted of the `keep` it verified."""
+    m = step.budget
+    if not m:
+        policy.end_plain_step(step)
+        return
+    n = len(step.kv)
+    top, margin = np.full((n, m), 0.5), np.full((n, m), 0.3)
+    keep = np.array(step.keep(top, top, margin, None))
+    width = int(keep.max())
+    policy.end_step(step, top[:, :width], margin[:, :width], keep, np.asarray(accept(keep)))
+
+
 def _teach(policy: SpecPolicy, rate: float, k: int = 4) -> None:
     """Every position accepted at `rate` (conditional), seen 600 times (no longer cold)."""
     teach(policy, rate, k)
@@ -339,22 +353,19 @@ def test_a_cold_start_outlasts_one_request_s_poor_drafts():
     k, rng = 3, np.random.default_rng(3)
     policy = _policy(k)
     policy.install(TimeModel(version=1, b0=0.79, b1=0.06, b2=1.6e-4, d0=0.37, d1=0.053, o0=0.093, o1=0.093))
-    drafting, trials = [], 0
+    drafting, trials = [], [0]
+
+    def accept(keep):
+        rate, accepted = 0.45 if trials[0] < 80 else 0.8, 0
+        trials[0] += int(keep[0] > 0)
+        while accepted < keep[0] and rng.random() < rate:
+            accepted += 1
+        return [accepted]
+
     for _ in range(1500):
         step = policy.begin_step("adaptive", [300], [k], 1, k)
         drafting.append(step.best_m > 0)
-        m = step.budget
-        if not m:
-            policy.end_plain_step(step)
-            continue
-        top, margin = np.full((1, m), 0.5), np.full((1, m), 0.3)
-        keep = np.array(step.keep(top, top, margin, None))
-        rate, accepted = 0.45 if trials < 80 else 0.8, 0
-        trials += int(keep[0] > 0)
-        while accepted < keep[0] and rng.random() < rate:
-            accepted += 1
-        width = int(keep.max())
-        policy.end_step(step, top[:, :width], margin[:, :width], keep, np.array([accepted]))
+        _finish(policy, step, accept)
     assert sum(drafting[-500:]) >= 450, sum(drafting[-500:])
     assert abs(policy.next_rates[0] - 0.8) < 0.05
 
@@ -376,13 +387,7 @@ def test_batch_1_s_cold_start_probes_no_row_further_behind_than_a_steady_step():
             assert policy.cold_alone
             step = policy.begin_step("adaptive", [300], [k], 1, k, catchup=catchup)
             count += [i] if step.probe else []
-            m = step.budget
-            if not m:
-                policy.end_plain_step(step)
-                continue
-            top, margin = np.full((1, m), 0.5), np.full((1, m), 0.3)
-            keep = np.array(step.keep(top, top, margin, None))
-            policy.end_step(step, top[:, :int(keep.max())], margin[:, :int(keep.max())], keep, np.zeros(1, np.int64))
+            _finish(policy, step, lambda keep: [0])
         probes[behind] = count
     assert probes == {"steady": list(range(steps)), "far": [0, 2 * PROBE_EVERY, 6 * PROBE_EVERY]}, probes
 
@@ -399,15 +404,7 @@ def test_a_cold_start_at_eight_sequences_ends_after_cold_trials_first_drafts():
     for _ in range(600):
         step = policy.begin_step("adaptive", [300] * n, [k] * n, 1, k)
         probes.append(step.probe)
-        m = step.budget
-        if not m:
-            policy.end_plain_step(step)
-            continue
-        top, margin = np.full((n, m), 0.5), np.full((n, m), 0.3)
-        keep = np.array(step.keep(top, top, margin, None))
-        accepted = np.array([int(c > 0 and rng.random() < 0.02) for c in keep])
-        width = int(keep.max())
-        policy.end_step(step, top[:, :width], margin[:, :width], keep, accepted)
+        _finish(policy, step, lambda keep: [int(c > 0 and rng.random() < 0.02) for c in keep])
     assert not policy.cold and policy.cold_alone  # (batch 1 would still be cold)
     assert COLD_TRIALS - 8 <= sum(probes[:80]) and sum(probes[80:]) <= 5, (sum(probes[:80]), sum(probes[80:]))
 
