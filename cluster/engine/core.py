@@ -32,8 +32,11 @@ SEED_BITS = 63  # a request without a seed gets one drawn from the OS
 # stretch among drafting steps goes in whole) and every PLAIN_SAMPLE_EVERY-th after them. Each sample had cost its
 # share of the registry's work, refits included, in the step loop: standing down at batch 4 (1.7 ms steps) the
 # registry took 0.9% of the time, and adaptive ran 1.9% behind plain decoding on the same steps (1.0% with no
-# samples at all). A plain step's time repeats itself: a quarter of them keep the fit.
-PLAIN_SAMPLE_EVERY = 4
+# samples at all). A plain step's time repeats itself: a sixteenth of them keep the fit. With a quarter, standing
+# down at 8 sequences (every request at once) the registry's calls took 3.4 us a step on average, a refit nearly
+# every round (each round's drain of small batches, which the linear model fits worst, read as drift); with a
+# sixteenth 1.0 us (DESIGN.md section 4).
+PLAIN_SAMPLE_EVERY = 16
 
 
 class RankDivergenceError(RuntimeError):
