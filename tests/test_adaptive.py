@@ -173,25 +173,56 @@ def test_registry_charges_drafting_with_its_early_stops_and_keep(tmp_path, share
 
 
 def _sampled(lines: list[dict]) -> list[tuple[dict, int]]:
-    """The traced decode steps the registry gets, each with its `settling` mark: every one that
-    drafted, and of each stretch that drafted nothing its first PLAIN_RUN steps (a plain probe's
-    stretch) and every PLAIN_SAMPLE_EVERY-th after them; a plain step among the first
-    SETTLE_STEPS after a step that drafted is settling."""
-    from cluster.engine.core import PLAIN_SAMPLE_EVERY
+    """The traced decode steps the registry gets, each with its `settling` mark: of each stretch
+    that drafted, every DRAFT_SAMPLE_EVERY-th and every one that caught up on more than a steady
+    step's tokens (every one while fewer than SAMPLE_ALL were sampled); of each stretch that
+    drafted nothing its first PLAIN_RUN steps (a plain probe's stretch) and every
+    PLAIN_SAMPLE_EVERY-th after them; a plain step among the first SETTLE_STEPS after a step
+    that drafted is settling."""
+    from cluster.engine.core import DRAFT_SAMPLE_EVERY, PLAIN_SAMPLE_EVERY, SAMPLE_ALL
     from controller.probes import PLAIN_RUN
+    from controller.registry import STEADY_CATCHUP
     from controller.samples import SETTLE_STEPS
 
-    out, run, drafted = [], 0, False
+    out, run, drafting, drafted = [], 0, 0, False
     for x in lines:
-        run = 0 if x["draft_steps"] else run + 1
+        run, drafting = (0, drafting + 1) if x["draft_steps"] else (run + 1, 0)
         drafted |= bool(x["draft_steps"])
-        if x["draft_steps"] or run <= PLAIN_RUN or (run - 1) % PLAIN_SAMPLE_EVERY == 0:
+        if x["draft_steps"]:
+            if len(out) < SAMPLE_ALL or x["catchup"] > STEADY_CATCHUP * x["draft_seqs"] or \
+                    (drafting - 1) % DRAFT_SAMPLE_EVERY == 0:
+                out.append((x, 0))
+        elif run <= PLAIN_RUN or (run - 1) % PLAIN_SAMPLE_EVERY == 0:
             out.append((x, int(drafted and 0 < run <= SETTLE_STEPS)))
     return out
 
 
+def test_which_decode_steps_the_registry_gets():
+    """Every step that drafts until the registry has had SAMPLE_ALL samples; then, of a stretch
+    that drafts, its first step and every DRAFT_SAMPLE_EVERY-th after, and any that first caught
+    up on more than STEADY_CATCHUP tokens a drafting row (what the catch-up's cost is fitted on).
+    Of a plain stretch: its first PLAIN_RUN, and every PLAIN_SAMPLE_EVERY-th counted from its first."""
+    from types import SimpleNamespace
+
+    from cluster.engine.core import DRAFT_SAMPLE_EVERY, PLAIN_SAMPLE_EVERY, SAMPLE_ALL, Engine
+    from controller.probes import PLAIN_RUN
+    from controller.registry import STEADY_CATCHUP
+
+    engine = SimpleNamespace(_drafted=False, _plain_run=0, _draft_run=0, _sampled=0)
+    assert all(Engine._samples(engine, 3, 4 * 2, 4) for _ in range(SAMPLE_ALL))
+    assert engine._sampled == SAMPLE_ALL
+    engine._draft_run = 0
+    steady = [Engine._samples(engine, 3, 4 * 2, 4) for _ in range(2 * DRAFT_SAMPLE_EVERY + 1)]
+    assert [i for i, s in enumerate(steady) if s] == [0, DRAFT_SAMPLE_EVERY, 2 * DRAFT_SAMPLE_EVERY]
+    assert Engine._samples(engine, 3, 4 * STEADY_CATCHUP + 1, 4)  # a long catch-up mid-stretch ...
+    assert not Engine._samples(engine, 3, 4 * STEADY_CATCHUP, 4)  # ... and the next, steady one
+    plain = [Engine._samples(engine, 0) for _ in range(PLAIN_RUN + 2 * PLAIN_SAMPLE_EVERY)]
+    assert [i for i, s in enumerate(plain) if s] == list(range(PLAIN_RUN)) + [PLAIN_SAMPLE_EVERY, 2 * PLAIN_SAMPLE_EVERY]
+    assert Engine._samples(engine, 1, 2, 1)  # a stretch that drafts starts over
+
+
 def test_registry_samples_a_stretch_of_plain_steps(tmp_path, sharegpt_prompts):
-    """Standing down, the registry gets every step that drafted (the probes), the first PLAIN_RUN
+    """Standing down, the registry gets the steps that drafted (the probes: `_sampled`), the first PLAIN_RUN
     plain steps after one (a plain probe's stretch goes in whole), and every PLAIN_SAMPLE_EVERY-th
     plain step of a longer stretch: each sample had cost its share of the registry's work and
     refits in the step loop (0.9% of batch 4's time standing down), and a plain step's time

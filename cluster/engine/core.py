@@ -20,6 +20,7 @@ from cluster.engine.time_model_link import TimeModelLink, make_time_model_link
 from cluster.engine.trace import TraceWriter
 from controller.policy import MODES
 from controller.probes import PLAIN_RUN
+from controller.registry import STEADY_CATCHUP
 from controller.samples import SETTLE_STEPS, StepSample
 from controller.time_model import TimeModel
 from workers.plan import SamplingParams, StepResult
@@ -37,6 +38,12 @@ SEED_BITS = 63  # a request without a seed gets one drawn from the OS
 # every round (each round's drain of small batches, which the linear model fits worst, read as drift); with a
 # sixteenth 1.0 us (DESIGN.md section 4).
 PLAIN_SAMPLE_EVERY = 16
+# Of a run of steps that draft, it gets every DRAFT_SAMPLE_EVERY-th, and every one that first caught up on more than
+# a steady step's tokens (what the catch-up's cost is fitted on: controller/catchup.py). At batch 1, where every step
+# drafts, the registry's calls and refits had taken 8-22 ms of a 2 s round in the step loop (0.4-1%) with each one.
+# Its first SAMPLE_ALL samples it gets every step that drafts: the first fits come as soon as before.
+DRAFT_SAMPLE_EVERY = 4
+SAMPLE_ALL = 1024
 
 
 class RankDivergenceError(RuntimeError):
@@ -69,6 +76,8 @@ class Engine:
         self._requests = itertools.count()
         self._step_end = 0.0  # when the last step returned (perf_counter s), 0: none since an empty one
         self._plain_run = 0  # decode steps that drafted nothing since the last that drafted (PLAIN_SAMPLE_EVERY)
+        self._draft_run = 0  # ... and that drafted since the last that did not (DRAFT_SAMPLE_EVERY)
+        self._sampled = 0  # decode steps the registry got (SAMPLE_ALL)
         self._drafted = False  # some decode step has drafted (before one, no plain step is settling after it)
         self.tracer = TraceWriter(cfg.engine.trace_path, cfg.engine.trace_label) if cfg.engine.trace_path else None
 
@@ -193,7 +202,7 @@ class Engine:
         if plan.decode:
             step_ms = (time.perf_counter() - start) * 1e3
             emitted = sum(len(u.new_token_ids) for u in updates)
-            if self.time_models is not None and self._samples(st.draft_steps):
+            if self.time_models is not None and self._samples(st.draft_steps, st.catchup_tokens, st.draft_seqs):
                 # what drafting cost includes deciding on it: the early stops and the keep decision. A rest with a
                 # one-off in it is left out (0), a draft with one marked (StepStats.steady, draft_steady), and a
                 # plain step still settling after drafting marked too (StepSample.settling)
@@ -210,13 +219,22 @@ class Engine:
         self._step_end = time.perf_counter()
         return updates
 
-    def _samples(self, drafted: int) -> bool:
-        """Does the registry get this decode step (drafted: its draft steps)? Every one that drafts;
-        of a stretch that drafts nothing, the first PLAIN_RUN (a plain probe's stretch: probes.py)
-        and every PLAIN_SAMPLE_EVERY-th."""
+    def _samples(self, drafted: int, catchup: int = 0, rows: int = 0) -> bool:
+        """Does the registry get this decode step (drafted: its draft steps; catchup: the tokens its
+        `rows` drafting rows caught up on first)? Of a stretch that drafts, every DRAFT_SAMPLE_EVERY-th
+        and every one past a steady step's catch-up (every one, until the registry has had SAMPLE_ALL);
+        of a stretch that drafts nothing, the first PLAIN_RUN (a plain probe's stretch: probes.py) and
+        every PLAIN_SAMPLE_EVERY-th."""
         self._drafted |= bool(drafted)
-        self._plain_run = 0 if drafted else self._plain_run + 1
-        return bool(drafted) or self._plain_run <= PLAIN_RUN or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0
+        if drafted:
+            self._plain_run, self._draft_run = 0, self._draft_run + 1
+            sampled = self._sampled < SAMPLE_ALL or catchup > STEADY_CATCHUP * rows or \
+                (self._draft_run - 1) % DRAFT_SAMPLE_EVERY == 0
+        else:
+            self._plain_run, self._draft_run = self._plain_run + 1, 0
+            sampled = self._plain_run <= PLAIN_RUN or (self._plain_run - 1) % PLAIN_SAMPLE_EVERY == 0
+        self._sampled += sampled
+        return sampled
 
     def _recover(self, error: Exception) -> None:
         """A rank died: rebuild the worker group and recompute every in-flight sequence
