@@ -151,8 +151,8 @@ class SpecPolicy:
         at larger batches a probe's row turns, so 64 are many requests' (512 there had kept an
         engine at batch 32 probing at every step through its warm-up and after: 0.961 of plain
         decoding in pairs)."""
-        down = self._down  # the last stand-down's terms (controller/stand_down.py): still standing down?
-        if down is not None and mode == "adaptive" and version == down.version and k == down.k and len(kv) == down.n:
+        down = self._downs.get(len(kv))  # this batch size's last stand-down (controller/stand_down.py): still down?
+        if down is not None and mode == "adaptive" and version == down.version and k == down.k:
             counts, b = down.counts, down.bucket
             count = counts[b] + 1
             if count < down.probe_at and down.b2 * float(sum(kv) if isinstance(kv, list) else int(kv.sum())) \
@@ -189,8 +189,8 @@ class SpecPolicy:
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
                     if not cold:  # (a cold start's steps may probe at any step)
-                        self._down = StandDown(version, model, n, k, start, self.probes, batch_bucket(n),
-                                               self.terms.could_pay(model, n, k))
+                        self._downs[n] = StandDown(version, model, n, k, start, self.probes, batch_bucket(n),
+                                                   self.terms.could_pay(model, n, k))
                     return PlainStep(self, model, kv, max_keep, k)
             if n == 1 and k and self.one_row_steps:
                 if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
@@ -360,7 +360,7 @@ class SpecPolicy:
         self._rates = rates = prior_rates(self.calibrator)
         self._shares = {}  # the budget's, per batch-size bucket (shares)
         self.terms.forget_budget()  # the budget's terms follow the shares
-        self._down: StandDown | None = None  # ... and where it stands down (begin_step)
+        self._downs: dict[int, StandDown] = {}  # ... and where it stands down, per batch size (begin_step)
         self.next_rates = rates.tolist()  # the early stop's guess at a draft not yet made
         self._level_rates = {0: self.next_rates}  # rates_at's, per level of a sequence's record
         hits, trials = self.calibrator.hits.sum(), self.calibrator.trials.sum()

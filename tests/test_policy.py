@@ -461,14 +461,39 @@ def test_standing_down_where_no_acceptance_could_pay_stays_on_the_fast_path():
         policy.install(costly)
     held, kinds = None, []
     for i in range(3000):
-        full._down = None
+        full._downs.clear()
         a = fast.begin_step("adaptive", [300] * 4, [4] * 4, 1, 4)
         b = full.begin_step("adaptive", [300] * 4, [4] * 4, 1, 4)
         assert (type(a), a.budget, a.probe) == (type(b), b.budget, b.probe) == (PlainStep, 0, False), i
         fast.end_plain_step(a), full.end_plain_step(b)
-        held = held or fast._down
-        kinds.append(fast._down is held)
+        held = held or fast._downs.get(4)
+        kinds.append(fast._downs.get(4) is held)
     assert held is not None and held.probe_at == float("inf") and all(kinds)
+    assert fast.probes.steps == full.probes.steps and fast.probes.probes == full.probes.probes == 0
+
+
+def test_a_stand_down_is_held_for_each_batch_size():
+    """Served, a batch's size moves every few steps as requests arrive and finish: each size's
+    stand-down is held, so a batch going 4, 5, 4, 5 .. stays on the fast path after a step at
+    each size (holding only the last one, every step went the full way), answering as the full
+    path does."""
+    fast, full = _policy(4), _policy(4)
+    costly = TimeModel(version=1, b0=5.0, b1=0.1, b2=1e-3, d0=50.0, d1=0.0)
+    for policy in (fast, full):
+        _teach(policy, 0.6)
+        policy._flush()
+        policy.install(costly)
+    on_fast_path = []
+    for i in range(400):
+        n = 4 + i % 2
+        held = fast._downs.get(n)
+        full._downs.clear()
+        a = fast.begin_step("adaptive", [300] * n, [4] * n, 1, 4)
+        b = full.begin_step("adaptive", [300] * n, [4] * n, 1, 4)
+        assert (type(a), a.budget, a.probe) == (type(b), b.budget, b.probe) == (PlainStep, 0, False), i
+        fast.end_plain_step(a), full.end_plain_step(b)
+        on_fast_path.append(held is not None and fast._downs.get(n) is held)
+    assert on_fast_path[:2] == [False, False] and all(on_fast_path[2:])
     assert fast.probes.steps == full.probes.steps and fast.probes.probes == full.probes.probes == 0
 
 
@@ -807,12 +832,12 @@ def test_standing_down_step_after_step_answers_as_deciding_it_again():
             kv = kv[:-1] if len(kv) > 1 and rng.random() < 0.5 else kv + [int(rng.integers(5, 50))]
         if rng.random() < 0.01:  # one swapped for a shorter one: the summed context falls
             kv[int(rng.integers(len(kv)))] = int(rng.integers(5, 50))
-        held = fast._down
-        full._down = None
+        held = fast._downs.get(len(kv))
+        full._downs.clear()
         a = fast.begin_step("adaptive", list(kv), [7] * len(kv), version, 7)
         b = full.begin_step("adaptive", list(kv), [7] * len(kv), version, 7)
         assert (type(a), a.budget, a.probe, a.best_m) == (type(b), b.budget, b.probe, b.best_m), i
-        fast_steps += held is not None and fast._down is held and isinstance(a, PlainStep)
+        fast_steps += held is not None and fast._downs.get(len(kv)) is held and isinstance(a, PlainStep)
         plain += isinstance(a, PlainStep)
         for policy, step in ((fast, a), (full, b)):
             if step.budget:
@@ -844,8 +869,8 @@ def test_batch_1_stands_down_on_the_fast_path_as_its_one_row_would(seq_history):
     assert 0.3 < at < 1.5  # drafting pays below about 680 tokens of context, not past it
     kinds, held = [], 0
     for kv in range(int(at / tm.b2) - 100, int(at / tm.b2) + 400):
-        down = policy._down
-        full._down = None
+        down = policy._downs.get(1)
+        full._downs.clear()
         a = policy.begin_step("adaptive", [kv], [7], 1, 7)
         b = full.begin_step("adaptive", [kv], [7], 1, 7)
         assert (type(a), a.budget, a.probe, a.best_m) == (type(b), b.budget, b.probe, b.best_m), kv
@@ -853,7 +878,7 @@ def test_batch_1_stands_down_on_the_fast_path_as_its_one_row_would(seq_history):
         if not a.probe:
             assert a.best_m == one.begin(kv, 7, 7), kv  # what the OneRow says
         kinds.append(type(a).__name__)
-        held += down is not None and policy._down is down
+        held += down is not None and policy._downs.get(1) is down
         for p, step in ((policy, a), (full, b)):
             if step.budget:
                 p.end_step(step, np.zeros((1, 0)), np.zeros((1, 0)), [0], [0])
