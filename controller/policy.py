@@ -171,8 +171,9 @@ class SpecPolicy:
             self.adaptive_steps += 1
             n = len(kv)
             cold = self.cold_alone if n == 1 else self.cold
-            # batch 1's cold start probes a row no further behind than a steady step (catchup None) only: one that
-            # stood down at a larger batch would first catch up on all it emitted since (DESIGN.md section 8, cold start)
+            # batch 1's cold start probes a row no further behind than a steady step (catchup None) only: one
+            # that stood down at a larger batch would first catch up on all it emitted since (DESIGN.md section 8,
+            # cold start)
             learning = cold and k > 0 and (n > 1 or catchup is None) and self.terms.could_pay(model, n, k)
             # where no acceptance rate could make drafting pay, a probe could learn nothing the budget reads (but
             # for the first drafts that end a cold start: DESIGN.md section 8, probes); asked only where one is due

@@ -217,7 +217,8 @@ def test_which_decode_steps_the_registry_gets():
     assert Engine._samples(engine, 3, 4 * STEADY_CATCHUP + 1, 4)  # a long catch-up mid-stretch ...
     assert not Engine._samples(engine, 3, 4 * STEADY_CATCHUP, 4)  # ... and the next, steady one
     plain = [Engine._samples(engine, 0) for _ in range(PLAIN_RUN + 2 * PLAIN_SAMPLE_EVERY)]
-    assert [i for i, s in enumerate(plain) if s] == list(range(PLAIN_RUN)) + [PLAIN_SAMPLE_EVERY, 2 * PLAIN_SAMPLE_EVERY]
+    sampled = [i for i, s in enumerate(plain) if s]
+    assert sampled == list(range(PLAIN_RUN)) + [PLAIN_SAMPLE_EVERY, 2 * PLAIN_SAMPLE_EVERY]
     assert Engine._samples(engine, 1, 2, 1)  # a stretch that drafts starts over
 
 
