@@ -15,7 +15,7 @@ exactly what the full path would: the same float comparison, the same probe coun
 The policy holds one for each batch size it stood down at (SpecPolicy._downs). Served, a
 batch's size moves every few steps as requests arrive and finish: holding only the last one,
 13% of a standing-down engine's steps at 100% of saturation went the full way (about 25 us
-each against the fast path's 3). A held one whose bucket probed since (at another batch size)
+each against the fast path's 2.5). A held one whose bucket probed since (at another batch size)
 names a probe step that has passed: its next step goes the full way and holds anew."""
 from __future__ import annotations
 
