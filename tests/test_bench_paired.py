@@ -200,6 +200,36 @@ def test_bench_paired_writes_its_report(tmp_path):
     assert (tmp_path / "paired.png").stat().st_size > 5_000
 
 
+def test_a_variant_of_an_arm_is_the_arm_with_its_overrides_and_is_compared_with_it(tmp_path, monkeypatch):
+    """adaptive-3+KEY=VALUE: adaptive-3's overrides, then the variant's, for its engine alone; with
+    no fixed arm, the variant is reported over the arm itself."""
+    import cluster.engine.core as core
+    from cluster.bench.paired import variant_overrides
+    from cluster.bench.servers import arm_overrides
+
+    variant = "adaptive-3+speculative.adaptive.min_gain=0.25+speculative.adaptive.early_stop=false"
+    assert variant_overrides(variant) == arm_overrides("adaptive-3") + ["speculative.adaptive.min_gain=0.25",
+                                                                         "speculative.adaptive.early_stop=false"]
+    assert variant_overrides("nospec") == arm_overrides("nospec")
+    made = []
+    real = core.Engine.__init__
+
+    def record(self, cfg, *args, **kwargs):
+        made.append(cfg.speculative)
+        real(self, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(core.Engine, "__init__", record)
+    sets = [f"--set={s}" for s in TEST_SIZING + ("parallel.tp_size=1", "speculative.adaptive.profile_on_start=false",
+                                                 "bench.serve_requests=4", "bench.max_output_len=6")]
+    rc = main(["--config", "yamls/tiny.yaml", *sets, "--arms", f"adaptive-3,{variant}", "--rates", "inf",
+               "--rounds", "2", "--warm-rates", "", "--warm-rounds", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    assert sorted((s.num_speculative_tokens, s.adaptive.min_gain, s.adaptive.early_stop) for s in made) == \
+        [(3, 0.0, True), (3, 0.25, False)]  # (made in the pair's order: the variant first)
+    result = json.loads((tmp_path / "paired.json").read_text())
+    assert [(r["arm"], r["over"]) for r in result["points"][0]["ratios"]] == [(variant, "adaptive-3")]
+
+
 def test_bench_paired_names_bad_arguments(capsys):
     assert main(["--arms", "nospec", "--out", "/nonexistent"]) == 2
     assert "expected two or more different arms" in capsys.readouterr().err
@@ -207,6 +237,12 @@ def test_bench_paired_names_bad_arguments(capsys):
     assert "expected two or more different arms" in capsys.readouterr().err
     assert main(["--rates", "0.5,fast"]) == 2
     assert "--rates" in capsys.readouterr().err
+    assert main(["--arms", "nospec,adaptive-3+min_gain", "--out", "/nonexistent"]) == 2
+    assert "'min_gain' is not KEY=VALUE" in capsys.readouterr().err
+    assert main(["--arms", "nospec,adaptive-3+speculative.adaptive.nosuch=1", "--out", "/nonexistent"]) == 2
+    assert "unknown key 'speculative.adaptive.nosuch'" in capsys.readouterr().err
+    assert main(["--arms", "nospec,adaptive+speculative.adaptive.min_gain=0.1", "--out", "/nonexistent"]) == 2
+    assert "'adaptive' is not nospec, static-K or adaptive-K" in capsys.readouterr().err
 
 
 def test_weights_of_another_shape_are_not_shared():

@@ -4,6 +4,10 @@ percent where the served sweep's rounds spread 5-10% (bench-serve), without HTTP
 
     adaspec bench-paired --config yamls/bench.yaml --arms nospec,static-3,adaptive-7 --rates 0.5,1.2 --out out/paired
 
+An arm may carry config overrides after its name, each after a '+': adaptive-3+speculative.adaptive.min_gain=0.1
+is adaptive-3 with that setting, and `--arms adaptive-3,adaptive-3+KEY=VALUE` (no fixed arm) reports the variant over
+the arm itself, stepped in pairs: an A/B of one setting.
+
 Each arm (nospec, static-K, adaptive-K: bench-serve's) is an Engine, its one rank in this
 process (TP=1), one for every group of arms stepped together (an adaptive arm's engine
 learns only from the steps it takes beside the arm it is compared with), all reading one
@@ -203,6 +207,18 @@ def share_engine_weights(engines: list) -> None:
                 held[role] = module
 
 
+def variant_overrides(arm: str) -> list[str]:
+    """An arm's config overrides: its name's (nospec, static-K, adaptive-K: arm_overrides), then each
+    KEY=VALUE after a '+' (a variant of the arm: adaptive-3+speculative.adaptive.min_gain=0.1)."""
+    name, *extra = arm.split("+")
+    for item in extra:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"arm {arm!r}: {item!r} is not KEY=VALUE (an arm's overrides follow its name, each "
+                             "after a '+')")
+    return arm_overrides(name) + extra
+
+
 def _fractions(text: str, name: str, empty_ok: bool = False) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -218,7 +234,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--arms", default="nospec,adaptive-7",
-                   help="two or more arms (nospec, static-K, adaptive-K); see comparisons() for the ratios reported")
+                   help="two or more arms (nospec, static-K, adaptive-K, each optionally +KEY=VALUE overrides: "
+                        "adaptive-3+speculative.adaptive.min_gain=0.1); see comparisons() for the ratios reported")
     p.add_argument("--rates", default="0.5,1.0,1.2",
                    help="comma-separated fractions of saturation (inf: every request at once)")
     p.add_argument("--rounds", type=int, default=5, help="paired rounds per rate")
@@ -243,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     rates, warm = _fractions(args.rates, "--rates"), _fractions(args.warm_rates, "--warm-rates", empty_ok=True)
     if args.rounds < 1 or args.warm_rounds < 0:
         raise ValueError("--rounds must be at least 1 and --warm-rounds at least 0")
-    cfgs = [load_config(args.config, args.overrides + arm_overrides(a)) for a in arms]
+    cfgs = [load_config(args.config, args.overrides + variant_overrides(a)) for a in arms]
     for a, c in zip(arms, cfgs):
         if not c.parallel.in_process:
             raise ValueError(f"{a}: bench-paired runs each engine's one rank in this process (parallel.tp_size=1)")
