@@ -190,7 +190,7 @@ class SpecPolicy:
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
                     if not cold:  # (a cold start's steps may probe at any step)
-                        self._downs[n] = StandDown(version, model, n, k, start, self.probes, batch_bucket(n),
+                        self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n),
                                                    self.terms.could_pay(model, n, k))
                     return PlainStep(self, model, kv, max_keep, k)
             if n == 1 and k and self.one_row_steps:

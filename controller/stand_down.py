@@ -26,17 +26,17 @@ from controller.time_model import TimeModel
 
 
 class StandDown:
-    """The terms of a stand-down: a plan's time model `version` (`model`) at n sequences
-    and k drafts stands down while b2 * (summed context) >= `start` and its bucket's step count
-    (`counts[bucket]`, the ProbeSchedule's own list) stays below `probe_at`."""
+    """The terms of a stand-down: a plan's time model `version` (`model`) at the batch size it
+    is held for (SpecPolicy._downs) and k drafts stands down while b2 * (summed context) >=
+    `start` and its bucket's step count (`counts[bucket]`, the ProbeSchedule's own list) stays
+    below `probe_at`."""
 
-    __slots__ = ("version", "n", "k", "b2", "start", "counts", "bucket", "probe_at", "model")
+    __slots__ = ("version", "k", "b2", "start", "counts", "bucket", "probe_at", "model")
 
-    def __init__(self, version: int, model, n: int, k: int, start: float, probes, bucket: int,
-                 may_probe: bool = True):
+    def __init__(self, version: int, model, k: int, start: float, probes, bucket: int, may_probe: bool = True):
         """may_probe: False where no probe is ever due at these terms (drafting could not pay
         were every draft accepted: ProbeSchedule.due's `allowed`)."""
-        self.version, self.model, self.n, self.k = version, model, n, k
+        self.version, self.model, self.k = version, model, k
         self.b2, self.start = model.b2, start
         self.counts, self.bucket = probes.steps, bucket
         # ProbeSchedule.due's first True
