@@ -182,20 +182,26 @@ class SpecPolicy:
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
             at = level_in(*record, self.pooled_rate, self._bounds) if n == 1 and record and self.seq_history else 0
+            one = None
+            if n == 1 and k and self.one_row_steps and (catchup is None or not catchup(k)):
+                # behind by no more than a steady step: its OneRow decides (a drafting step asks nothing more)
+                one = OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning, level=at)
+                if one.best_m or probe or self.seq_history:
+                    return one
             if k and (n > 1 or not self.seq_history):
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
                 # past the context where no draft budget beats a plain step: one, without the budget's loop (at
-                # batch 1 before its OneRow or the rows' catch-up, which only makes drafting dearer; not with
-                # seq_history, where the next step's sequence may stand at another level)
+                # batch 1 once its OneRow said 0, and before the rows' catch-up, which only makes drafting dearer;
+                # not with seq_history, where the next step's sequence may stand at another level), held for the
+                # next steps of this batch size
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
                     if not cold:  # (a cold start's steps may probe at any step)
                         self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n),
                                                    self.terms.could_pay(model, n, k))
                     return PlainStep(self, model, kv, max_keep, k)
-            if n == 1 and k and self.one_row_steps:
-                if catchup is None or not catchup(k):  # (behind by no more than a steady step: its OneRow decides)
-                    return OneRowStep(self, probe, kv, max_keep, model, k, cold_start=learning, level=at)
+            if one is not None:
+                return one
         else:
             catchup, at = None, 0
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,
