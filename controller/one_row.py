@@ -37,7 +37,8 @@ class OneRow:
         """weights: the logistic model's (w0, w1, w2, w3) per position, for add_logistic."""
         self.f, self.o, self.weights = costs.f_list, costs.per_token, weights
         self.min_gain, self.scale = min_gain, 1.0 + min_gain
-        self.top = self.margin = None  # watched buffers (watch)
+        self.top = self.margin = None  # watched buffers (watch), or a step's rows of the slab (begin's row)
+        self.slab = None  # (top, margin) columns the steps beginning at a row of them draft into (watch_slab)
         self.budget_terms = None  # set_budget's
         self.restart(costs.ctx_list[0], costs.fixed + costs.ctx_sum, cap)
 
@@ -61,12 +62,18 @@ class OneRow:
         self.b2, self.base, self.fixed0, self.budget_terms, self.budget_scale = b2, base, fixed, terms, scale
         self.units_per_ms = units_per_ms
 
-    def begin(self, kv: int, cap: int, k: int) -> int:
+    def begin(self, kv: int, cap: int, k: int, row: int = -1) -> int:
         """A new step (restart) for a sequence of context length kv that may verify `cap`
         drafts, and the draft budget's choice of 0..k draft steps: SpecStep._budget's, the
-        same floats in the same order (one call a step where the compiled twin runs)."""
+        same floats in the same order (one call a step where the compiled twin runs). row >= 0:
+        the step drafts into rows row.. of the slab (watch_slab), which next_at and keep_at
+        read from then on, with no buffers of the step's own to watch."""
         if self.budget_terms is None or not 0 <= k < len(self.budget_terms):
             raise IndexError(f"OneRow.begin: no budget terms for {k} drafts")
+        if row >= 0:
+            if self.slab is None or row + k > len(self.slab[0]):
+                raise IndexError("OneRow.begin: rows past the watched slab")
+            self.top, self.margin = (a[row:row + k] for a in self.slab)
         kv_ms = self.b2 * float(kv)
         ctx = int(round(kv_ms * self.units_per_ms))  # decision.context_unit
         self.restart(ctx, self.fixed0 + ctx, cap)
@@ -115,6 +122,14 @@ class OneRow:
         if top.shape != margin.shape or top.ndim != 2:
             raise ValueError("OneRow.watch: top and margin must be equal (budget, n) arrays")
         self.top, self.margin = top, margin
+
+    def watch_slab(self, top, margin) -> None:
+        """The policy's draft slab (SpecPolicy.draft_row): (rows, 1) columns the steps beginning at a
+        row of them draft into, watched once for this OneRow's life instead of a step's buffers at
+        every step."""
+        if top.shape != margin.shape or top.ndim != 2:
+            raise ValueError("OneRow.watch_slab: top and margin must be equal (rows, n) arrays")
+        self.slab = (top, margin)
 
     def next_at(self, j: int) -> bool:
         """next(j, ...) with draft j's top probability and margin read from the watched buffers."""

@@ -17,7 +17,9 @@ from controller.time_model import TimeModel
 
 
 class OneRowStep(SpecStep):
-    __slots__ = ("_one", "_watched")  # the step's OneRow (SpecPolicy.one_row); early_stop gave it the buffers
+    # the step's OneRow (SpecPolicy.one_row); early_stop gave it buffers to read (_watched); its first row in the
+    # policy's draft slab (None: none free), and whether the draft loop took them (draft_inputs)
+    __slots__ = ("_one", "_watched", "_row", "_lent")
 
     def __init__(self, policy, probe: bool, kv, max_keep, model: TimeModel, k: int, cold_start: bool = False,
                  level: int = 0):
@@ -30,12 +32,13 @@ class OneRowStep(SpecStep):
         self._caps = None if isinstance(max_keep, list) else max_keep
         # (of SpecStep's state, what this step's methods, the runner and end_step read)
         self._explore = self.rows = self.rule_keep = self.drafted = None
-        self._watched = False
+        self._watched = self._lent = False
         self._first = -policy.adaptive_steps % EXPLORE_EVERY  # 0: this step explores its row
         cap = self.kmax = self.max_keep_list[0]
         # the budget (SpecStep._budget): the OneRow's best m, one position more for a probe or the early stop
         one = self._one = policy.one_row(model, cap, level)
-        best_m = self.best_m = self.wants = one.begin(self.kv_list[0], cap, k)
+        row = self._row = policy.draft_row(k)
+        best_m = self.best_m = self.wants = one.begin(self.kv_list[0], cap, k, -1 if row is None else row)
         budget = min(k, best_m + 1) if probe or (best_m and policy.early_stop_on) else best_m
         if budget and not probe and policy.probes.plain_due():
             budget = 0  # a plain probe
@@ -52,13 +55,24 @@ class OneRowStep(SpecStep):
         j = top_prob.shape[1]
         return self._one.next(j, float(top_prob[0, j - 1]), float(margin[0, j - 1]))
 
+    def draft_inputs(self, budget: int):
+        """SpecStep.draft_inputs: the step's rows of the policy's draft slab, which its OneRow has
+        watched since it was built and reads from the row begin named: no buffers to watch a step
+        (between forward passes, watching the draft loop's new ones cost a step about 9 us)."""
+        if self._row is None:
+            return None
+        self._lent = True
+        return self.policy.draft_slab[:, self._row:self._row + budget]
+
     def early_stop(self, top_prob: np.ndarray, margin: np.ndarray, tokens):
         """SpecStep.early_stop: the OneRow's next_at over the draft loop's (budget, 1) buffers,
-        which it reads itself (one call between two draft forwards); None at a probe."""
+        which it reads itself (one call between two draft forwards): the slab rows it lent
+        (draft_inputs), else the buffers given, watched; None at a probe."""
         if self.probe or not self.policy.early_stop_on:
             return None
         one = self._one
-        one.watch(top_prob, margin)
+        if not self._lent:
+            one.watch(top_prob, margin)
         self._watched = True
         return one.next_at
 

@@ -77,6 +77,10 @@ class SpecPolicy:
         # the time terms steps read (controller/terms.py)
         self.terms = StepTerms(cfg.adaptive.min_gain, self.shares, cfg.adaptive.batch_draft_margin)
         self._caps_cache: dict[tuple, np.ndarray] = {}  # full_caps'
+        # batch 1's draft loops write their confidence inputs here (draft_row), a step's rows after the last
+        # one's, and the calibration batch reads them where they lie; its OneRows watch it once (one_row)
+        self.draft_slab = np.zeros((3, (OBSERVE_MAX + 1) * max(cfg.num_speculative_tokens, 1), 1))
+        self._slab_used = 0  # rows lent since the last calibration batch
         self._set_rates()
 
     # ------------------------------------------------------------------ time models
@@ -207,6 +211,16 @@ class SpecPolicy:
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,
                         catchup=catchup, level=at)
 
+    def draft_row(self, k: int) -> int | None:
+        """The first of k rows of the draft slab for a batch-1 step's draft loop, or None where they
+        do not fit. Rows are lent in order and taken back at the calibration batch, which has read
+        every step that drafted into them (at most OBSERVE_MAX steps end between two batches)."""
+        row = self._slab_used
+        if row + k > self.draft_slab.shape[1]:
+            return None
+        self._slab_used = row + k
+        return row
+
     def full_caps(self, n: int, cap: int) -> np.ndarray:
         """[cap] * n as a read-only array, made once per (n, cap): a large batch's caps, which are
         usually all the step's k (converting the list cost a step a numpy call)."""
@@ -274,6 +288,7 @@ class SpecPolicy:
             base = self.terms.budget_terms(tm, 1, 1, at=at)[0]
             terms = [[]] + [self.terms.budget_terms(tm, 1, k, at=at)[1] for k in range(1, extra + 1)]
             one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS)
+            one.watch_slab(self.draft_slab[0], self.draft_slab[1])
             held = self._one_row[at] = (tm, extra, one)
         return held[2]
 
@@ -334,6 +349,7 @@ class SpecPolicy:
 
     def _flush(self) -> None:
         self.calibrations += 1
+        self._slab_used = 0  # the steps that drafted into the slab are all read below
         counts, self._counts = self._counts, []
         self.yields.count_steps(counts)
         self.yields.fold()

@@ -154,6 +154,12 @@ class SpecStep:
         return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
                               self._draft_ms(j + 1), self.policy.rates_at(self.level)[j], self.max_keep_list)
 
+    def draft_inputs(self, budget: int):
+        """Where the draft loop writes its (3, budget, n) confidence inputs (top probability, margin,
+        drafted token's probability), or None: buffers of its own (a batch-1 OneRowStep lends rows
+        of the policy's draft slab)."""
+        return None
+
     def early_stop(self, top_prob: np.ndarray, margin: np.ndarray, tokens):
         """The early stop over the draft loop's (budget, n) buffers, which it fills a row per
         position: a callable j -> keep_drafting after j drafts, or None where the step drafts

@@ -119,6 +119,44 @@ def test_keep_at_reads_the_drafts_not_yet_added_from_the_watched_buffers(ops):
         mine.keep_at(k + 1)
 
 
+def test_a_step_begun_at_a_row_of_the_slab_reads_its_drafts_there(ops):
+    """begin(..., row): next_at and keep_at read the step's drafts from rows row.. of the slab
+    watched once (watch_slab), as from buffers of the step's own (watch), in both twins; a row
+    past the slab, or no slab, is refused; begin without a row leaves what was watched."""
+    rng = np.random.default_rng(3)
+    k, rows = 5, 40
+    costs = _random_costs(rng, k)
+    weights = [[0.0, 1.0, 0.0, 0.0]] * k
+    draft = [draft_units(0.2 * j) for j in range(k + 2)]
+    rates = rng.uniform(0, 1, k + 1).tolist()
+    slab = rng.uniform(0, 1, (2, rows, 1))
+    slab[:, :k], slab[:, 7:7 + k] = 0.999, 0.001  # confident drafts at row 0, hopeless ones at row 7
+    mine = new_one_row(costs, 0.0, k, ops.LogisticWeights(weights), ops)
+    ref, own = OneRow(costs, 0.0, k, weights), OneRow(costs, 0.0, k, weights)
+    answers = []
+    for one in (mine, ref, own):
+        one.set_terms(draft, rates)
+        one.set_budget(0.001, 1.0, 0, [[]] + [[(1, 1.5, 2.0, 1.0)]] * k, 1.0, 1000.0)
+    for one in (mine, ref):
+        with pytest.raises(IndexError, match="slab"):
+            one.begin(100, k, k, 0)  # nothing watched yet
+        one.watch_slab(*slab)
+    for row in (0, 7, rows - k):
+        for one in (mine, ref, own):
+            one.begin(100, k, k, row if one is not own else -1)
+        own.watch(*(a[row:row + k] for a in slab))
+        got = [[one.next_at(j) for j in range(1, 3)] + [one.keep_at(k)] for one in (mine, ref, own)]
+        assert got[0] == got[1] == got[2], row
+        answers.append(got[0])
+        mine.begin(100, k, k)  # no row: next_at reads where it read before
+        ref.begin(100, k, k)
+        assert mine.next_at(1) == ref.next_at(1) == got[0][0]
+    assert len({tuple(a) for a in answers}) > 1  # the rows differ, and so do the answers
+    for one in (mine, ref):
+        with pytest.raises(IndexError, match="slab"):
+            one.begin(100, k, k, rows - k + 1)
+
+
 def test_a_restarted_one_row_is_a_new_one():
     """restart (a later step of the same time model) leaves what a new OneRow for that step has."""
     a = step_costs(TimeModel(b2=0.001, o0=0.2, o1=0.1), [300], 6)

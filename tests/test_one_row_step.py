@@ -17,14 +17,18 @@ COSTLY = dict(b0=1.0, b1=0.5, d0=0.9, d1=0.0)
 
 
 def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k: int, top, margin, hits,
-           record=None):
+           record=None, lend: bool = True):
     """One adaptive batch-1 step in the runner's order; what it decided (and, last, the drafts
-    it verified and accepted)."""
+    it verified and accepted). lend: the draft loop writes where the step says (draft_inputs:
+    a OneRowStep's rows of the policy's draft slab), as the runner's does; else into buffers
+    of its own."""
     step = policy.begin_step("adaptive", [kv], [cap], version, k, record=record)
     budget = step.budget
     answers, m = [], 0
     if budget:
-        buf_top, buf_margin, tokens = np.zeros((budget, 1)), np.zeros((budget, 1)), np.zeros((budget, 1), np.int64)
+        given = step.draft_inputs(budget) if lend else None
+        buf_top, buf_margin = (np.zeros((budget, 1)), np.zeros((budget, 1))) if given is None else given[:2]
+        tokens = np.zeros((budget, 1), np.int64)
         more = step.early_stop(buf_top, buf_margin, tokens)
         for j in range(budget):
             buf_top[j], buf_margin[j], m = top[j], margin[j], j + 1
@@ -44,14 +48,15 @@ def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k:
             step.level, (keep[0], accepted[0]))
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_one_row_steps_decide_as_the_general_step(ops, compiled, monkeypatch):
+@pytest.mark.parametrize("compiled,lend", [(True, True), (False, True), (True, False)])
+def test_one_row_steps_decide_as_the_general_step(ops, compiled, lend, monkeypatch):
     """500 steps of one sequence on two policies alike but for OneRowStep (one_row_steps off
     in the other, whose SpecSteps decide in decide_small and worth_drafting): the same budgets,
     early-stop answers, keep sets and rule choices every step, through a cold start's probes,
     plain probes, exploration, caps below k and, where drafting stops paying, stand-down
     probes, with the sequence's record (controller/history.py) at levels either side of 0;
-    and the two policies' calibration stays the same."""
+    and the two policies' calibration stays the same (the OneRowSteps' drafts read from the
+    draft slab where they were lent it, held there until their calibration batch)."""
     monkeypatch.setattr("controller.policy.ALONE_COLD_TRIALS", 64)  # a short cold start: the warm cases fit in 500
     cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True, seq_history=True))
     fast, slow = (SpecPolicy(cfg, compiled=ops if compiled else None) for _ in range(2))
@@ -68,7 +73,7 @@ def test_one_row_steps_decide_as_the_general_step(ops, compiled, monkeypatch):
         top = rng.beta(3.0, 1.5, 7)[:, None]
         margin = top * rng.uniform(0.2, 1.0, (7, 1))
         hits = rng.random(7) < (top[:, 0] if s % 100 < 50 else top[:, 0] ** 3)  # good stretches, bad ones
-        got = [_drive(p, s, version, kv, cap, 7, top, margin, hits, record) for p in (fast, slow)]
+        got = [_drive(p, s, version, kv, cap, 7, top, margin, hits, record, lend) for p in (fast, slow)]
         assert got[0][0] == "OneRowStep" and got[1][0] == "SpecStep"
         assert got[0][1:] == got[1][1:], (s, got)
         seen.append(got[0])

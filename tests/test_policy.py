@@ -164,6 +164,18 @@ def _teach(policy: SpecPolicy, rate: float, k: int = 4) -> None:
     assert not policy.cold
 
 
+def test_the_draft_slab_lends_rows_in_order_until_the_calibration_batch_takes_them_back():
+    """draft_row: a step's k rows after the last step's, None once they would not fit; the
+    calibration batch, which reads every step's drafts where they lie, frees them all."""
+    policy = _policy(4)
+    rows = policy.draft_slab.shape[1]
+    assert [policy.draft_row(4) for _ in range(3)] == [0, 4, 8]
+    policy._slab_used = rows - 3
+    assert policy.draft_row(4) is None and policy.draft_row(3) == rows - 3
+    policy._flush()
+    assert policy.draft_row(2) == 0
+
+
 def test_a_calibration_batch_lines_up_each_steps_drafts_and_weighs_what_only_exploration_verified():
     """The steps' (n_i, w_i) inputs, one row per sequence-step: zeros and ones past a step's
     width; a draft at or past what the rule chose counts EXPLORE_EVERY times (exploration's)."""

@@ -59,24 +59,31 @@ def draft(proposer: Proposer, seqs: list[SeqState], params: list[SamplingParams]
         empty = np.zeros((n, 0))
         return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
     if rows is None:
-        return draft_rows(proposer, seqs, params, step.budget, step.early_stop, trace, block_size, device)
+        return draft_rows(proposer, seqs, params, step.budget, step.early_stop, trace, block_size, device,
+                          step.draft_inputs(step.budget))
     part = draft_rows(proposer, [seqs[i] for i in rows], [params[i] for i in rows], step.budget,
                       step.early_stop, trace, block_size, device)
     return part.placed(rows, n)
 
 def draft_rows(proposer: Proposer, seqs: list[SeqState], params: list[SamplingParams], budget: int, early_stop,
-           trace: bool, block_size: int, device: torch.device) -> DraftBlock:
+               trace: bool, block_size: int, device: torch.device, given: np.ndarray | None = None) -> DraftBlock:
     """Up to `budget` draft positions for every one of seqs; early_stop: SpecStep.early_stop
     (its answer None: no early stop).
     Position j's tokens and confidence inputs go into row j of (budget, n) buffers, which
     the early stop and the block read: nothing is stacked or converted between the
-    draft's forward passes but one kernel call (sampler.draft_top2)."""
+    draft's forward passes but one kernel call (sampler.draft_top2). given: (3, budget, n)
+    float64 buffers to use for the top probability, margin and drafted token's probability
+    (SpecStep.draft_inputs), else new ones."""
     n = len(seqs)
     sampled = [i for i, sp in enumerate(params) if not sp.greedy]
     qs = {i: [] for i in sampled}
     tokens = torch.empty(budget, n, dtype=torch.long)
-    inputs = torch.empty(3, budget, n, dtype=torch.float64)  # top probability, margin, drafted token's probability
-    top, margin, chosen = inputs.numpy()
+    if given is None:
+        inputs = torch.empty(3, budget, n, dtype=torch.float64)  # top probability, margin, drafted token's probability
+        top, margin, chosen = inputs.numpy()
+    else:
+        inputs = torch.from_numpy(given)
+        top, margin, chosen = given
     t0 = time.perf_counter()
     keep_drafting = early_stop(top, margin, tokens)
     entropies, control_ms, m = [], (time.perf_counter() - t0) * 1e3, 0

@@ -86,9 +86,16 @@ class OneRow {
 
   // A new step (restart) and the draft budget's choice of 0..k draft steps: begin's in
   // controller/one_row.py, the same doubles in the same order.
-  int64_t begin(int64_t kv, int64_t cap, int64_t k) {
+  // row >= 0: the step's drafts go to rows row.. of the slab (watch_slab), which next_at and keep_at read
+  // from then on, with no buffers of the step's own to watch.
+  int64_t begin(int64_t kv, int64_t cap, int64_t k, int64_t row = -1) {
     if (!has_budget_ || k < 0 || k >= int64_t(terms_.size()))
       throw py::index_error("OneRow.begin: no budget terms for " + std::to_string(k) + " drafts");
+    if (row >= 0) {
+      if (!slab_rows_ || row + k > slab_rows_) throw py::index_error("OneRow.begin: rows past the watched slab");
+      at_top_ = slab_top_.data() + row * slab_stride_, at_margin_ = slab_margin_.data() + row * slab_stride_;
+      watched_rows_ = k, watched_stride_ = slab_stride_;
+    }
     const double kv_ms = b2_ * double(kv);
     const int64_t ctx = int64_t(std::nearbyint(kv_ms * units_per_ms_));
     restart(ctx, fixed0_ + ctx, cap);
@@ -171,25 +178,29 @@ class OneRow {
   // contiguous rows (held, not copied): next_at(j) reads draft j's of row 0 itself, so the
   // early stop is one call between the draft's forward passes.
   void watch(py::array_t<double> top, py::array_t<double> margin) {
-    for (const auto* a : {&top, &margin}) {
-      if (a->ndim() != 2 || a->shape(0) != top.shape(0) || a->shape(1) != top.shape(1) ||
-          a->strides(1) != sizeof(double) || a->strides(0) != a->shape(1) * int64_t(sizeof(double)))
-        throw py::value_error("OneRow.watch: top and margin must be equal (budget, n) float64 arrays with contiguous rows");
-    }
+    check_watched(top, margin, "watch");
     top_ = top, margin_ = margin;
+    at_top_ = top_.data(), at_margin_ = margin_.data();
     watched_rows_ = top.shape(0), watched_stride_ = top.shape(1);
+  }
+  // The policy's draft slab (SpecPolicy.draft_row): (rows, 1) columns that the steps beginning at a row of
+  // them draft into, watched once for this OneRow's life instead of a step's buffers at every step.
+  void watch_slab(py::array_t<double> top, py::array_t<double> margin) {
+    check_watched(top, margin, "watch_slab");
+    slab_top_ = top, slab_margin_ = margin;
+    slab_rows_ = top.shape(0), slab_stride_ = top.shape(1);
   }
   bool next_at(int64_t j) {
     if (j < 1 || j > watched_rows_) throw py::index_error("OneRow.next_at: no such row in the watched buffers");
     const int64_t at = (j - 1) * watched_stride_;
-    return next(j, top_.data()[at], margin_.data()[at]);
+    return next(j, at_top_[at], at_margin_[at]);
   }
   // The keep count after m drafts: best(draft time of m, m).
   int64_t keep(int64_t m) const { return best(draft_units_.at(size_t(m)), m).first; }
   // keep(m), the drafts not yet added read from the watched buffers first.
   int64_t keep_at(int64_t m) {
     if (m > watched_rows_) throw py::index_error("OneRow.keep_at: no such row in the watched buffers");
-    for (int64_t j = drafts_; j < m; ++j) add_logistic(top_.data()[j * watched_stride_], margin_.data()[j * watched_stride_]);
+    for (int64_t j = drafts_; j < m; ++j) add_logistic(at_top_[j * watched_stride_], at_margin_[j * watched_stride_]);
     return keep(m);
   }
 
@@ -227,8 +238,19 @@ class OneRow {
   std::vector<double> div_;     // (1 + min_gain)^m
   int64_t acc_ = CONF_ONE, drafts_ = 0;
   bool closed_ = false;
+  static void check_watched(const py::array_t<double>& top, const py::array_t<double>& margin, const char* name) {
+    for (const auto* a : {&top, &margin}) {
+      if (a->ndim() != 2 || a->shape(0) != top.shape(0) || a->shape(1) != top.shape(1) ||
+          a->strides(1) != sizeof(double) || a->strides(0) != a->shape(1) * int64_t(sizeof(double)))
+        throw py::value_error(std::string("OneRow.") + name +
+                              ": top and margin must be equal (budget, n) float64 arrays with contiguous rows");
+    }
+  }
   py::array_t<double> top_, margin_;  // watched buffers
-  int64_t watched_rows_ = 0, watched_stride_ = 0;
+  py::array_t<double> slab_top_, slab_margin_;  // the watched slab (watch_slab)
+  const double* at_top_ = nullptr;  // what next_at and keep_at read: the watched buffers, or the step's slab rows
+  const double* at_margin_ = nullptr;
+  int64_t watched_rows_ = 0, watched_stride_ = 0, slab_rows_ = 0, slab_stride_ = 0;
   double b2_ = 0.0, base_ = 0.0, budget_scale_ = 1.0, units_per_ms_ = 0.0;  // set_budget's
   int64_t fixed0_ = 0;
   std::vector<std::vector<Term>> terms_;
@@ -264,7 +286,7 @@ void bind_one_row(py::module& m) {
       .def("restart", &OneRow::restart, py::arg("ctx"), py::arg("fixed"), py::arg("cap"))
       .def("set_budget", &OneRow::set_budget, py::arg("b2"), py::arg("base"), py::arg("fixed"), py::arg("terms"),
            py::arg("scale"), py::arg("units_per_ms"))
-      .def("begin", &OneRow::begin, py::arg("kv"), py::arg("cap"), py::arg("k"))
+      .def("begin", &OneRow::begin, py::arg("kv"), py::arg("cap"), py::arg("k"), py::arg("row") = -1)
       .def("add", &OneRow::add)
       .def("add_logistic", &OneRow::add_logistic)
       .def("best", &OneRow::best)
@@ -272,6 +294,7 @@ void bind_one_row(py::module& m) {
       .def("set_terms", &OneRow::set_terms, py::arg("draft_units"), py::arg("rates"))
       .def("next", &OneRow::next, py::arg("j"), py::arg("p"), py::arg("m"))
       .def("watch", &OneRow::watch, py::arg("top").noconvert(), py::arg("margin").noconvert())
+      .def("watch_slab", &OneRow::watch_slab, py::arg("top").noconvert(), py::arg("margin").noconvert())
       .def("next_at", &OneRow::next_at, py::arg("j"))
       .def("keep", &OneRow::keep, py::arg("m"))
       .def("keep_at", &OneRow::keep_at, py::arg("m"))
