@@ -17,9 +17,10 @@ from tests.conftest import TEST_SIZING, greedy, local_engine, tiny_config
 class _Engine:
     """Finishes every request it holds in one step, its tokens `reply(prompt)`."""
 
-    def __init__(self, reply, log: list | None = None):
+    def __init__(self, reply, log: list | None = None, drafts: bool = False):
         self.reply, self.held, self.count, self.steps, self.log = reply, [], 0, 0, log
-        self.idles = 0
+        self.idles, self.drafts = 0, drafts
+        self.stats = SimpleNamespace(decode_steps=0, zero_budget_steps=0, draft_ms=0.0)  # EngineStats' counters
 
     def has_work(self) -> bool:
         return bool(self.held)
@@ -34,6 +35,11 @@ class _Engine:
 
     def step(self) -> list:
         self.steps += 1
+        self.stats.decode_steps += 1
+        if self.drafts:
+            self.stats.draft_ms += 0.5
+        else:
+            self.stats.zero_budget_steps += 1
         if self.log is not None:
             self.log.append(self)
         out = [SimpleNamespace(request_id=r, finished=True, token_ids=self.reply(p)[:m]) for r, p, m in self.held]
@@ -128,7 +134,8 @@ def test_each_pair_runs_on_its_own_engines():
     nospec never steps beside static-3. The saturation round runs the first arm's first pair."""
     arms = ["nospec", "static-3", "adaptive-3"]
     made = []
-    engines = group_engines(arms, "pairs", lambda a: made.append((a, _Engine(lambda p: p * 2))) or made[-1][1])
+    engines = group_engines(arms, "pairs", lambda a: made.append((a, _Engine(lambda p: p * 2, drafts=a != "nospec")))
+                            or made[-1][1])
     assert list(engines) == [("adaptive-3", "nospec"), ("adaptive-3", "static-3")]
     assert [a for a, _ in made] == ["adaptive-3", "nospec", "adaptive-3", "static-3"]
     assert len({id(e) for g in engines.values() for e in g}) == 4
@@ -138,6 +145,16 @@ def test_each_pair_runs_on_its_own_engines():
     (point,) = result["points"]
     assert [(r["arm"], r["over"], len(r["ratios"])) for r in point["ratios"]] == [("adaptive-3", "nospec", 2),
                                                                                    ("adaptive-3", "static-3", 2)]
+    # what each arm drafted in the measured rounds, over its engines (the saturation round left out)
+    steps = {a: sum(e.steps for g, held in engines.items() for b, e in zip(g, held) if b == a) for a in arms}
+    steps["nospec"] -= 1
+    steps["adaptive-3"] -= 1
+    assert point["drafting"] == {"nospec": {"decode_steps": steps["nospec"], "drafting_steps": 0, "draft_ms": 0.0},
+                                 "static-3": {"decode_steps": steps["static-3"], "drafting_steps": steps["static-3"],
+                                              "draft_ms": 0.5 * steps["static-3"]},
+                                 "adaptive-3": {"decode_steps": steps["adaptive-3"],
+                                                "drafting_steps": steps["adaptive-3"],
+                                                "draft_ms": 0.5 * steps["adaptive-3"]}}
 
 
 @pytest.mark.parametrize("stepped_first", [True, False])
@@ -195,8 +212,13 @@ def test_bench_paired_writes_its_report(tmp_path):
             assert len(r["ratios"]) == 2 and r["min"] <= r["median"] <= r["max"]
             assert r["interval"][0] <= r["median"] <= r["interval"][1]
         assert len(p["tok_s"]) == 3 and all(t > 0 for t in p["tok_s"])
+        drafted = p["drafting"]
+        assert drafted["nospec"]["drafting_steps"] == 0 and drafted["nospec"]["draft_ms"] == 0.0
+        assert 0 < drafted["static-2"]["drafting_steps"] <= drafted["static-2"]["decode_steps"]
+        assert drafted["static-2"]["draft_ms"] > 0
     table = (tmp_path / "paired.md").read_text()
     assert "adaptive-3 / static-2" in table and "adaptive-3 / best fixed" in table
+    assert "Decode steps that drafted" in table and "0 / " in table
     assert (tmp_path / "paired.png").stat().st_size > 5_000
 
 

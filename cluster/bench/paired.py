@@ -175,12 +175,34 @@ def sweep(engines: dict, arms: list[str], specs: list, rates: list[float], round
     points = []
     for i, frac in enumerate(rates):
         measured = {g: [[] for _ in g] for g in together}
+        before = _counts(engines)
         for j in tqdm(range(rounds), desc=f"{frac:.0%} of saturation", mininterval=2, leave=False):
             for g in together:
                 for got, r in zip(measured[g], run(g, frac * sat_rps, seed + 100_000 + 1000 * i + j, j)):
                     got.append(r.output_tokens() / r.clock)
-        points.append(rate_point(arms, measured, frac, frac * sat_rps))
+        points.append(rate_point(arms, measured, frac, frac * sat_rps) | {"drafting": drafting(arms, before,
+                                                                                                _counts(engines))})
     return {"saturation_rps": round(sat_rps, 4), "points": points}
+
+
+def _counts(engines: dict) -> dict:
+    """(group, arm) -> its engine's decode steps, those that drafted nothing, and draft ms so far."""
+    return {(g, a): (e.stats.decode_steps, e.stats.zero_budget_steps, e.stats.draft_ms)
+            for g, held in engines.items() for a, e in zip(g, held)}
+
+
+def drafting(arms: list[str], before: dict, after: dict) -> dict:
+    """Per arm, over its engines, between two `_counts`: decode steps, those that drafted, and their draft
+    forwards' ms (where a standing-down arm's gap goes: in batch-capped pairs at 32 sequences, mostly a few
+    stand-down probes in the rounds' tails, each catching one row up on a few hundred tokens)."""
+    out = {a: {"decode_steps": 0, "drafting_steps": 0, "draft_ms": 0.0} for a in arms}
+    for (g, a), (steps, plain, ms) in after.items():
+        s0, p0, m0 = before[(g, a)]
+        got = out[a]
+        got["decode_steps"] += steps - s0
+        got["drafting_steps"] += (steps - s0) - (plain - p0)
+        got["draft_ms"] = round(got["draft_ms"] + ms - m0, 1)
+    return out
 
 
 def group_engines(arms: list[str], schedule: str, make) -> dict:

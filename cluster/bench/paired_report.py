@@ -32,6 +32,14 @@ def markdown(result: dict) -> str:
     for p in points:
         cells = [_cell(r) for r in p["ratios"]] + [f"{_cell(r)} ({r['over']})" for r in p.get("over_best_fixed", [])]
         lines.append(f"| {rate_label(p['rate_fraction'])} | " + " | ".join(cells) + " |")
+    if points and "drafting" in points[0]:
+        lines += ["", "Decode steps that drafted, of every decode step, and their draft forwards' time (each arm's "
+                  "engines, the measured rounds):", "", "| of saturation | " + " | ".join(arms) + " |",
+                  "|---|" + "---|" * len(arms)]
+        for p in points:
+            cells = [f"{d['drafting_steps']:,} / {d['decode_steps']:,} ({d['draft_ms']:,.0f} ms)"
+                     for d in (p["drafting"][a] for a in arms)]
+            lines.append(f"| {rate_label(p['rate_fraction'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
