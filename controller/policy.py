@@ -17,6 +17,7 @@ import threading
 
 import numpy as np
 
+from controller.catchup import SWEEP_CATCHUP
 from controller.config import SpeculativeConfig
 from controller.decision import draft_units, step_costs
 from controller.estimators import PRIOR_WEIGHT, Calibrator, LogisticCalibrator
@@ -41,6 +42,21 @@ COLD_TRIALS = 64  # until the calibrator has verified this many first drafts, ev
 ALONE_COLD_TRIALS = 512  # ... and every step of one sequence until this many: several requests' worth, where one
 # request's drafts are no sample of the workload's (64 had ended it on one: DESIGN.md section 8) ...
 COLD_BATCH = 16  # ... in batches of sequence-steps at least 1/COLD_BATCH of the first drafts held (the first at once)
+
+
+def probe_price(step: SpecStep, catchup_tokens: int) -> float:
+    """What a probe that drafted cost beyond a plain step of its batch, in such steps, as its time
+    model prices them (the same on every rank): its draft forwards, their catch-up past a steady
+    step's (catchup_tokens: all its rows'), and a drafting step's rest. A stand-down probe drafts
+    for one row, which first catches up on all it emitted standing down: in the tail of a
+    batch-capped round (4-15 sequences) 150-280 tokens, about 18 ms against a 4.3 ms step."""
+    tm, n = step.model, len(step.kv)
+    rows = n if step.rows is None else len(step.rows)
+    total = sum(step.kv_list) if step.kv_list is not None else int(step.kv.sum())
+    plain = tm.validate_ms_from(n, total) + tm.other_ms(n)
+    extra = (tm.draft_ms(rows, step.budget) + tm.drafting_extra_ms(rows)
+             + tm.catchup_ms * max(catchup_tokens - SWEEP_CATCHUP * rows, 0))
+    return extra / plain if plain > 0.0 else 1.0
 
 
 class SpecPolicy:
@@ -233,9 +249,11 @@ class SpecPolicy:
             held.flags.writeable = False
         return held
 
-    def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted) -> None:
+    def end_step(self, step: SpecStep, top_prob: np.ndarray, margin: np.ndarray, verified, accepted,
+                 catchup_tokens: int = 0) -> None:
         """The step's outcomes (as `observe`; verified, accepted: lists or arrays), and the probe
-        back-off: the interval doubles while probes keep finding that drafting does not pay, and
+        back-off: the interval doubles while probes keep finding that drafting does not pay, times
+        what the last one cost (catchup_tokens: what its draft caught up on; `probe_price`), and
         starts over when one finds it does.
 
         An oracle step teaches nothing: it verified the drafts that match the reference, chosen
@@ -246,7 +264,8 @@ class SpecPolicy:
         if step.mode == "oracle":
             return
         if step.probe and not step.cold_start:
-            self.probes.found(len(step.kv), step.best_m > 0)
+            pays = step.best_m > 0
+            self.probes.found(len(step.kv), pays, 1.0 if pays else probe_price(step, catchup_tokens))
         counted = None
         if step.rows is not None and step.rule_keep is not None:
             # a stand-down probe's rows, all verified by exploration, stand for what the rule would have verified

@@ -20,7 +20,7 @@ from collections import deque
 
 import numpy as np
 
-from controller.catchup import catchup_ms
+from controller.catchup import CATCHUP_MIN_SAMPLES, catchup_ms
 from controller.samples import (CATCHUP_TOKENS, DRAFT_MS, DRAFT_SEQS, DRAFT_STEPS, EMITTED, KV_TOKENS, NUM_SEQS,
                                 ONE_OFF, OTHER_MS, Q_TOKENS, SETTLING, VALIDATE_MS, SampleColumns, StepSample)
 from controller.time_model import KINDS, FitReport, TimeModel, error_report, fit, held_out_mape
@@ -51,7 +51,8 @@ class ProfileRegistry:
         self._sweep_model: TimeModel | None = None  # the sweep's own fit (table kind), made on first use
         # the draft's in-engine time over the sweep's, last measured, per batch-size bucket (draft_overhead)
         self._draft_overheads: dict[int, float] = {}
-        self._catchup_ms = 0.0  # ms per catch-up token past a steady step's, last measured (controller/catchup.py)
+        # ms per catch-up token past a steady step's, last measured (controller/catchup.py; None: never)
+        self._catchup_ms: float | None = None
         # what a steady drafting step's rest costs more (TimeModel o2, o3), last measured on DRAFT_MIN_SAMPLES of
         # them: fitted from fewer (a server standing down drafts only its probes, after long catch-ups, and
         # their rests are dearer), 23 probe steps had priced it at 0.135 ms where steady drafting steps read
@@ -295,21 +296,34 @@ class ProfileRegistry:
     def _with_catchup(self, model: TimeModel) -> TimeModel:
         """model with the cost per catch-up token (catchup.catchup_ms) of the window's steps that
         drafted after a long catch-up, or as last measured where it holds too few of them (a
-        server that stands down for good drafts only its probes' rows)."""
-        rows = self._online.rows()
-        picked = rows[(rows[:, DRAFT_STEPS] > 0) & (rows[:, CATCHUP_TOKENS] > STEADY_CATCHUP * _drafting(rows))
-                      & (rows[:, ONE_OFF] == 0)]
-        measured = catchup_ms(model, _drafting(picked), picked[:, DRAFT_STEPS], picked[:, CATCHUP_TOKENS],
-                              picked[:, DRAFT_MS])
+        server that stands down for good drafts only its probes' rows); until the window has
+        measured it once, as the startup sweep's long catch-ups (cluster/engine/sweep.py) measure
+        it against the sweep's own fit."""
+        measured = _catchup_of(model, _long_catchups(self._online.rows()))
+        if measured is None and self._catchup_ms is None:
+            swept = _long_catchups(self._sweep.rows())
+            if len(swept) >= CATCHUP_MIN_SAMPLES:
+                measured = _catchup_of(self._sweep_fit(), swept)
         if measured is not None:
             self._catchup_ms = measured
-        return dataclasses.replace(model, catchup_ms=self._catchup_ms)
+        return dataclasses.replace(model, catchup_ms=self._catchup_ms or 0.0)
 
     def held_out_mape(self) -> dict[str, float]:
         """Each kind of time model fitted on every other measured step (sweep and online),
         its MAPE on the rest: which kind predicts better here."""
         validated = _validated(self._data())
         return {kind: held_out_mape(_features(validated), validated[:, VALIDATE_MS], kind) for kind in KINDS}
+
+
+def _long_catchups(rows: np.ndarray) -> np.ndarray:
+    """The rows that drafted after a long catch-up (and no other one-off)."""
+    return rows[(rows[:, DRAFT_STEPS] > 0) & (rows[:, CATCHUP_TOKENS] > STEADY_CATCHUP * _drafting(rows))
+                & (rows[:, ONE_OFF] == 0)]
+
+
+def _catchup_of(model: TimeModel, picked: np.ndarray) -> float | None:
+    """catchup.catchup_ms over `picked` (_long_catchups) against `model`'s steady draft times."""
+    return catchup_ms(model, _drafting(picked), picked[:, DRAFT_STEPS], picked[:, CATCHUP_TOKENS], picked[:, DRAFT_MS])
 
 
 def _predicts_alike(old: TimeModel, new: TimeModel, rows: np.ndarray) -> bool:

@@ -67,6 +67,34 @@ def test_the_registry_prices_catch_up_from_the_steps_that_paid_it_and_remembers_
     assert reg.refit().model.catchup_ms == pytest.approx(0.025, rel=0.05)
 
 
+def test_until_its_steps_measure_it_the_registry_prices_catch_up_as_the_sweep_did():
+    """The startup sweep's long catch-ups (one row, as a stand-down probe's) price a catch-up token
+    in the first model, against the sweep's own draft times; the online window's measure replaces
+    it, and once measured online, a window without catch-ups keeps that measure, not the sweep's."""
+    sweep = [StepSample(n, q * n, q * n * 100, 1.0 + 0.1 * q * n + 1e-5 * q * n * 100, 0, 0.0)
+             for n in (1, 2, 4, 8) for q in (1, 2, 4)]
+    sweep += [StepSample(n, 0, 0, 0.0, m, DRAFTS.draft_ms(n, m), catchup_tokens=n * SWEEP_CATCHUP)
+              for n in (1, 2, 4, 8) for m in (1, 3)]
+    sweep += [StepSample(1, 0, 0, 0.0, 1, DRAFTS.draft_ms(1, 1) + 0.04 * (c - SWEEP_CATCHUP), catchup_tokens=c)
+              for c in (32, 64, 128, 256)]
+    reg = ProfileRegistry(refit_every=10**6, sweep=sweep)
+    assert reg.seed(sweep).model.catchup_ms == pytest.approx(0.04, rel=0.02)
+    assert reg.model.draft_ms(1, 1) == pytest.approx(DRAFTS.draft_ms(1, 1), rel=0.02)  # steady draft times apart
+
+    def step(n: int, catchup: int, per_token: float) -> StepSample:
+        fitted = reg.model.draft_ms(n, 2) + per_token * max(catchup - SWEEP_CATCHUP * n, 0)
+        return StepSample(n, 3 * n, 300 * n, reg.model.validate_ms_from(3 * n, 300 * n), 2, fitted,
+                          catchup_tokens=catchup)
+
+    steady = [step(n, 3 * n, 0.0) for n in (1, 2, 4) for _ in range(30)]
+    reg.add(steady)
+    assert reg.refit().model.catchup_ms == pytest.approx(0.04, rel=0.02)  # none online yet: the sweep's
+    reg.add([step(n, STEADY_CATCHUP * n + 40 * i, 0.01) for n in (1, 2) for i in range(1, 6)])
+    assert reg.refit().model.catchup_ms == pytest.approx(0.01, rel=0.05)
+    reg.add([steady[0]] * WINDOW)
+    assert reg.refit().model.catchup_ms == pytest.approx(0.01, rel=0.05)
+
+
 def test_switch_cost_spreads_each_rows_catch_up_over_what_it_may_still_emit():
     k = 3
     assert switch_cost([1, k + 1], [10, 10], k) == 0.0  # no further behind than a steady step
@@ -153,7 +181,8 @@ def test_a_switch_is_priced_over_how_long_drafting_has_lasted_of_late():
 def test_the_runner_learns_how_long_drafting_lasts_from_its_own_steps():
     """Steps whose budget would draft extend the stretch by a row's tokens, drafted or, where the
     row's catch-up or a plain probe said no, plain (one); the first step whose budget would not
-    draft ends it; and the horizon reaches the price of a row's catch-up."""
+    draft ends it; and the horizon reaches the price of a row's catch-up. The step's end hands
+    the policy what its draft caught up on (a probe's back-off prices it: policy.probe_price)."""
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.num_speculative_tokens=3",
                                       "speculative.adaptive.enabled=true"))
     try:
@@ -174,6 +203,8 @@ def test_the_runner_learns_how_long_drafting_lasts_from_its_own_steps():
             return step
 
         policy.begin_step = steps
+        ended, end = [], policy.end_step
+        policy.end_step = lambda *a: ended.append(a[5:]) or end(*a)
         for _ in range(2):
             engine.add_request("The capital of France is Paris. The capital of Italy is", greedy(60))
         engine.step()  # the prefills
@@ -196,8 +227,10 @@ def test_the_runner_learns_how_long_drafting_lasts_from_its_own_steps():
         left = [60 - (len(s.tokens) - s.prompt_len) for s in rows]
         assert min(left) > horizon
         behind = [_behind(s) for s in rows]
-        del priced[:]
+        del priced[:], ended[:]
+        phase[0] = "draft"  # every row drafts, catching up first on all it emitted since it last drafted
         engine.step()
+        assert ended == [(sum(behind),)], (ended, behind)
         assert priced == [pytest.approx(switch_cost(behind, left, 3, horizon))]
         assert priced[0] > switch_cost(behind, left, 3) > 0.0
     finally:

@@ -3,6 +3,7 @@ and probe steps backing off while drafting does not pay."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -276,6 +277,42 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     assert policy.probes.every_at(4) == PROBE_EVERY and _budget(policy, model) == 4
 
 
+def test_a_dear_probe_backs_off_by_its_price():
+    """A stand-down probe whose row first catches up on 300 tokens costs several plain steps: the
+    interval it backs off to is the doubled one times that price (its draft forward, 0.05 ms, and
+    300 catch-up tokens past a steady step's 2 at 0.1 ms, over a plain step's 5 + 16 * 0.1 ms), so
+    the bucket's probes keep to the same share of its time; a probe no dearer than a plain step
+    just doubles it, and one that finds drafting pays starts it over."""
+    policy, n = _policy(), 16
+    policy.probes.plain_every = 10**9
+    _teach(policy, 0.02)
+    model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0, catchup_ms=0.1)
+    policy.install(model)
+    price = (0.05 + 0.1 * 300) / (5.0 + 0.1 * n)
+
+    def probe(catchup_tokens: int, pays: bool = False) -> None:
+        policy.probes.last = [-10**6] * len(policy.probes.last)  # the next step probes
+        step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1, 4)
+        assert step.probe and (step.best_m > 0) == pays and step.budget == (4 if pays else 1)
+        top = np.full((n, step.budget), 0.001)
+        keep = np.array(step.keep(top, top, top / 2, None))
+        policy.end_step(step, top, top / 2, keep, keep, catchup_tokens)
+
+    probe(302)
+    assert policy.probes.every_at(n) == math.ceil(2 * PROBE_EVERY * price) > 8 * PROBE_EVERY
+    probe(302)
+    assert policy.probes.every_at(n) == math.ceil(4 * PROBE_EVERY * price)
+    probe(2)  # no catch-up past a steady step's: cheaper than a plain step, the interval doubles
+    assert policy.probes.every_at(n) == 8 * PROBE_EVERY
+    for _ in range(30):
+        probe(2000)
+    assert policy.probes.every_at(n) == PROBE_MAX_EVERY
+    _teach(policy, 0.95)
+    policy._flush()
+    probe(2000, pays=True)  # drafting pays: the interval starts over, whatever the probe cost
+    assert policy.probes.every_at(n) == PROBE_EVERY
+
+
 def test_one_drafting_step_in_128_runs_plain_in_stretches():
     """A plain probe: of the adaptive steps that would draft, one in PLAIN_EVERY runs plain, the
     last PLAIN_RUN of every PLAIN_EVERY * PLAIN_RUN in a row, so the time model sees what a plain
@@ -452,9 +489,9 @@ def test_no_step_probes_where_no_acceptance_could_pay():
     cheap = TimeModel(version=2, b0=5.0, b1=0.1, d0=0.05, d1=0.0)
     cold = _policy(4)
     assert not cold.terms.could_pay(costly, 4, 4) and cold.terms.could_pay(cheap, 4, 4)
-    for _ in range(200):
-        _budget(cold, costly)
-    assert cold.cold and cold.probes.probes == 3  # steps 1, 33 and 97: the interval doubled
+    probed = [i for i in range(1, 701) if _budget(cold, costly)]
+    # the first step, then 64 steps times the probe's price: its 50 ms draft step over a plain step's 5.4 ms
+    assert cold.cold and probed == [1, 1 + math.ceil(2 * PROBE_EVERY * 50.0 / 5.4)]
     warm = _policy(4)
     _teach(warm, 0.02)
     assert [_budget(warm, costly) for _ in range(5000)] == [0] * 5000

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from cluster.engine import sweep
+from controller.catchup import SWEEP_CATCHUP
 from tests.conftest import tiny_config
 
 
@@ -22,9 +25,9 @@ class StubRanks:
         self.calls += 1
         return 2.0 + 0.1 * n * q + 1e-4 * n * q * ctx
 
-    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int, catchup: int = SWEEP_CATCHUP) -> float:
         self.calls += 1
-        return 0.3 + steps * (0.5 + 0.01 * n)
+        return 0.3 + steps * (0.5 + 0.01 * n) + 0.02 * n * (catchup - SWEEP_CATCHUP)
 
 
 def _cfg(tmp_path, *overrides):
@@ -50,6 +53,10 @@ def test_a_matching_cache_is_reused_and_a_stale_one_swept_again(tmp_path, caplog
     assert swept == len(samples) > 0 and abs(model.b1 - 0.1) < 1e-6 and abs(model.b2 - 1e-4) < 1e-9
     # the draft points time one and k positions: the first position's extra is told apart from the rest
     assert abs(model.first_ms(16) - 0.3) < 0.02 and abs(model.draft_step_ms(16) - 0.66) < 0.02
+    # ... and the long catch-up points (one row, as a stand-down probe's) price a catch-up token from the start
+    assert sorted(s.catchup_tokens for s in samples if s.catchup_tokens > SWEEP_CATCHUP * s.num_seqs) == \
+        list(sweep.SWEEP_LONG_CATCHUP)
+    assert model.catchup_ms == pytest.approx(0.02, rel=1e-6)
     again, _ = sweep.load_or_sweep(ranks, _cfg(tmp_path), progress=False)
     assert ranks.calls == swept and again == model  # reused: no probe ran
     with caplog.at_level(logging.WARNING, logger="adaspec.sweep"):

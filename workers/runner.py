@@ -190,7 +190,7 @@ class ModelRunner:
                 self.stretches.end()
         t0 = time.perf_counter()
         accepted = [o.accepted for o in outputs]
-        self.policy.end_step(step, draft.top_prob, draft.margin, keep, accepted)
+        self.policy.end_step(step, draft.top_prob, draft.margin, keep, accepted, draft.catchup_tokens)
         stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
             stats.predicted_draft_ms = step.model.draft_ms(stats.draft_seqs, draft.steps)

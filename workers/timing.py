@@ -52,9 +52,10 @@ def validate_ms(runner: ModelRunner, n: int, q: int, ctx: int, runs: int = 3) ->
 
 
 @torch.inference_mode()
-def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3) -> float:
+def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3, catchup: int = SWEEP_CATCHUP) -> float:
     """`steps` draft positions for n sequences as a decode step drafts them (the runner's own
-    draft loop): a catch-up of SWEEP_CATCHUP tokens per sequence, then the draft forwards,
+    draft loop): a catch-up of `catchup` tokens per sequence (SWEEP_CATCHUP: a steady step's; more:
+    one after standing down), then the draft forwards,
     each with its distribution's top two. A catch-up of one token and no draft loop, as
     the sweep once timed, made batch 8's three draft positions look 4.1 ms where steady decode
     steps took 5.6: the budget drafted there until online draft times had corrected the model,
@@ -65,8 +66,10 @@ def draft_ms(runner: ModelRunner, n: int, ctx: int, steps: int, runs: int = 3) -
     hidden = runner.target.arch.hidden_size
     w = runner.target.lm_head.weight
     params = [SamplingParams()] * n  # greedy
-    start = ctx - SWEEP_CATCHUP  # the hiddens of positions start..ctx-1 pair with tokens start+1..ctx
-    zeros = torch.zeros(SWEEP_CATCHUP, hidden, dtype=w.dtype, device=w.device)
+    if not 1 <= catchup < ctx:
+        raise ValueError(f"a draft's catch-up of {catchup} tokens needs 1..{ctx - 1} (context {ctx})")
+    start = ctx - catchup  # the hiddens of positions start..ctx-1 pair with tokens start+1..ctx
+    zeros = torch.zeros(catchup, hidden, dtype=w.dtype, device=w.device)
 
     def run():
         for s in seqs:

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from controller.catchup import SWEEP_CATCHUP
 from controller.config import SpeculativeConfig
 from controller.policy import SpecPolicy
 from controller.time_model import TimeModel
@@ -78,11 +79,12 @@ class TPWorker:
 
         return timing.validate_ms(self.runner, n, q, ctx, runs)
 
-    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
-        """Time a decode step's `steps` draft positions for the startup sweep (every rank runs it together)."""
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int, catchup: int = SWEEP_CATCHUP) -> float:
+        """Time a decode step's `steps` draft positions, after a catch-up of `catchup` tokens a sequence,
+        for the startup sweep (every rank runs it together)."""
         from workers import timing
 
-        return timing.draft_ms(self.runner, n, ctx, steps, runs)
+        return timing.draft_ms(self.runner, n, ctx, steps, runs, catchup)
 
     def install_time_model(self, model: TimeModel) -> int:
         """A refit from the profile registry; the acknowledgement is the version."""

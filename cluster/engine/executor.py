@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from cluster.engine.ray_env import NICE_0_ENV
+from controller.catchup import SWEEP_CATCHUP
 from controller.time_model import TimeModel
 from workers.plan import StepPlan, StepResult
 from workers.worker import TPWorker
@@ -25,8 +26,9 @@ class WorkerGroup(Protocol):
     def validate_ms(self, n: int, q: int, ctx: int, runs: int) -> float:
         """Time a validate forward of n sequences x q tokens at context ctx (all ranks at once; rank 0's clock)."""
 
-    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
-        """Time a decode step's `steps` draft positions for n sequences (all ranks at once; rank 0's clock)."""
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int, catchup: int = SWEEP_CATCHUP) -> float:
+        """Time a decode step's `steps` draft positions for n sequences, after a catch-up of `catchup`
+        tokens each (all ranks at once; rank 0's clock)."""
 
     def shutdown(self) -> None: ...
 
@@ -51,8 +53,8 @@ class LocalWorkerGroup:
     def validate_ms(self, n: int, q: int, ctx: int, runs: int) -> float:
         return self.worker.validate_ms(n, q, ctx, runs)
 
-    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
-        return self.worker.draft_ms(n, ctx, steps, runs)
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int, catchup: int = SWEEP_CATCHUP) -> float:
+        return self.worker.draft_ms(n, ctx, steps, runs, catchup)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -113,10 +115,10 @@ class RayWorkerGroup:
 
         return ray.get([w.validate_ms.remote(n, q, ctx, runs) for w in self.actors])[0]
 
-    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int, catchup: int = SWEEP_CATCHUP) -> float:
         import ray
 
-        return ray.get([w.draft_ms.remote(n, ctx, steps, runs) for w in self.actors])[0]
+        return ray.get([w.draft_ms.remote(n, ctx, steps, runs, catchup) for w in self.actors])[0]
 
     def shutdown(self) -> None:
         import ray

@@ -3,10 +3,18 @@ validate-time model, and cached on disk.
 
 The grid times validate forwards over (sequences, q per sequence 1..k+1, context length)
 and a decode step's draft positions (one and k of them, after a catch-up of SWEEP_CATCHUP
-tokens per sequence) over sequences and context length. A cache file is found by the checkpoints,
-the TP size and the device; it stores everything its timings depend on (`identity`), and a
-file whose identity differs from this run's is swept again, with a log line naming what
-changed. A stale file can never drive the decisions silently.
+tokens per sequence) over sequences and context length, and one draft position after the long
+catch-up of a row that stood down (SWEEP_LONG_CATCHUP, one sequence, as a stand-down probe's):
+what the first model prices a catch-up token at (TimeModel.catchup_ms), which the budget
+charges a switch into drafting and a stand-down probe's back-off its price. Without them a new
+engine priced neither until its own steps had measured it, and its first rounds' stand-down
+probes backed off as if they had cost a fifth of a plain step (197 catch-up tokens priced
+0.26 of one, where the sweep's price makes them 2.8).
+
+A cache file is found by the checkpoints, the TP size and the device; it stores everything
+its timings depend on (`identity`), and a file whose identity differs from this run's is
+swept again, with a log line naming what changed. A stale file can never drive the decisions
+silently.
 """
 from __future__ import annotations
 
@@ -29,8 +37,9 @@ from controller.time_model import FitReport, TimeModel
 log = logging.getLogger("adaspec.sweep")
 GRID_SEQS_STEP = 4  # sequences: 1, 4, 16, ... up to engine.max_num_seqs (which is swept too)
 GRID_CTX = (64, 384)
+SWEEP_LONG_CATCHUP = (32, 64, 128, 256)  # a row's catch-up tokens, timed at the longest context of GRID_CTX
 RUNS = 5
-CACHE_FORMAT = 5  # the file's layout and the grid's shape
+CACHE_FORMAT = 6  # the file's layout and the grid's shape
 CODE_PACKAGES = ("models", "workers")  # the code whose speed the timings measure
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,6 +127,10 @@ def sweep(workers: WorkerGroup, cfg: Config, progress: bool = True) -> list[Step
         for n, ctx, m in tqdm(drafts, desc="sweep draft", disable=not progress, mininterval=2):
             samples.append(StepSample(n, 0, 0, 0.0, m, workers.draft_ms(n, ctx, m, RUNS),
                                       catchup_tokens=n * SWEEP_CATCHUP))
+        ctx = GRID_CTX[-1]
+        long = [c for c in SWEEP_LONG_CATCHUP if c < ctx and ctx + 2 + cfg.cache.block_size <= budget]
+        for c in tqdm(long, desc="sweep catch-up", disable=not progress, mininterval=2):
+            samples.append(StepSample(1, 0, 0, 0.0, 1, workers.draft_ms(1, ctx, 1, RUNS, c), catchup_tokens=c))
     return samples
 
 

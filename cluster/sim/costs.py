@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from controller.registry import STEADY_CATCHUP
 from controller.samples import StepSample
 from controller.time_model import doubling_knots, knot_values, nonneg_lstsq, piecewise, ramps
 
@@ -60,7 +61,8 @@ class ProfileCost:
     @classmethod
     def fit(cls, samples: list[StepSample], source: str) -> "ProfileCost":
         val = [s for s in samples if s.q_tokens > 0]
-        drafts = [s for s in samples if s.draft_steps > 0]
+        # steady draft steps: a simulated step never catches a row up on what it emitted standing down
+        drafts = [s for s in samples if s.draft_steps > 0 and s.catchup_tokens <= STEADY_CATCHUP * s.drafting]
         timed = [s for s in samples if s.other_ms > 0 and s.emitted > 0]
         if len(val) < 3 or len(drafts) < 2:
             raise ValueError(f"{source}: too few measured steps to fit a profile ({len(val)} validations, "
@@ -130,5 +132,6 @@ class CostWorkers:
     def validate_ms(self, n: int, q: int, ctx: int, runs: int) -> float:
         return self.cost.validate_ms(np.full(n, q), np.full(n, ctx))
 
-    def draft_ms(self, n: int, ctx: int, steps: int, runs: int) -> float:
+    def draft_ms(self, n: int, ctx: int, steps: int, runs: int, catchup: int = 0) -> float:
+        """(catchup: the cost models price no catch-up: a simulated step never stands down a row's draft)"""
         return self.cost.draft_ms(n, np.full(n, ctx), steps)
