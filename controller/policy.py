@@ -253,8 +253,8 @@ class SpecPolicy:
                  catchup_tokens: int = 0) -> None:
         """The step's outcomes (as `observe`; verified, accepted: lists or arrays), and the probe
         back-off: the interval doubles while probes keep finding that drafting does not pay, times
-        what the last one cost (catchup_tokens: what its draft caught up on; `probe_price`), and
-        starts over when one finds it does.
+        what the last one cost from two sequences on (catchup_tokens: what its draft caught up on;
+        `probe_price`), and starts over when one finds it does.
 
         An oracle step teaches nothing: it verified the drafts that match the reference, chosen
         by their outcome, so nearly every one it verified was accepted. In the benchmark, where
@@ -264,8 +264,9 @@ class SpecPolicy:
         if step.mode == "oracle":
             return
         if step.probe and not step.cold_start:
-            pays = step.best_m > 0
-            self.probes.found(len(step.kv), pays, 1.0 if pays else probe_price(step, catchup_tokens))
+            n, pays = len(step.kv), step.best_m > 0
+            # (batch 1 backs off by doubling alone: where drafting pays most, a stand-down is re-examined soonest)
+            self.probes.found(n, pays, 1.0 if pays or n == 1 else probe_price(step, catchup_tokens))
         counted = None
         if step.rows is not None and step.rule_keep is not None:
             # a stand-down probe's rows, all verified by exploration, stand for what the rule would have verified

@@ -36,7 +36,9 @@ every round or two. Beside an engine backing off by doubling alone (nospec, both
 after 2, batch capped at 32): 2-4 probes in the measured rounds against 6-7, 0.9967 / 0.9941
 of plain decoding against 0.9919 / 0.9900. Deferring a probe until its row is less far behind
 would starve batch 1, whose one row is always far behind after standing down; the price only
-stretches the interval the probe sets, so the next one still comes.
+stretches the interval the probe sets, so the next one still comes. Batch 1 is not priced:
+there drafting pays most, and a served engine that had stood batch 1 down probed it every 608
+of its steps priced (its row 280 tokens behind, 9.5 plain steps) where doubling alone gave 64.
 
 Past the cold start, a step where drafting could not pay were every draft verified and
 accepted (StepTerms.could_pay) never probes (`due`'s `allowed`): no rate a probe could teach

@@ -282,7 +282,7 @@ def test_a_dear_probe_backs_off_by_its_price():
     interval it backs off to is the doubled one times that price (its draft forward, 0.05 ms, and
     300 catch-up tokens past a steady step's 2 at 0.1 ms, over a plain step's 5 + 16 * 0.1 ms), so
     the bucket's probes keep to the same share of its time; a probe no dearer than a plain step
-    just doubles it, and one that finds drafting pays starts it over."""
+    just doubles it, and one that finds drafting pays starts it over. Batch 1 only doubles."""
     policy, n = _policy(), 16
     policy.probes.plain_every = 10**9
     _teach(policy, 0.02)
@@ -311,6 +311,16 @@ def test_a_dear_probe_backs_off_by_its_price():
     policy._flush()
     probe(2000, pays=True)  # drafting pays: the interval starts over, whatever the probe cost
     assert policy.probes.every_at(n) == PROBE_EVERY
+    # batch 1 backs off by doubling alone, however far behind its row (where drafting pays most)
+    alone = _policy()
+    alone.probes.plain_every = 10**9
+    _teach(alone, 0.02)
+    alone.install(dataclasses.replace(model, b0=0.5))
+    step = alone.begin_step("adaptive", [100], [4], 1, 4)
+    assert step.probe and step.best_m == 0 and step.budget == 1
+    top = np.full((1, 1), 0.001)
+    alone.end_step(step, top, top / 2, [1], [1], 302)
+    assert alone.probes.every_at(1) == 2 * PROBE_EVERY
 
 
 def test_one_drafting_step_in_128_runs_plain_in_stretches():
