@@ -171,15 +171,10 @@ class SpecPolicy:
         at larger batches a probe's row turns, so 64 are many requests' (512 there had kept an
         engine at batch 32 probing at every step through its warm-up and after: 0.961 of plain
         decoding in pairs)."""
-        down = self._downs.get(len(kv))  # this batch size's last stand-down (controller/stand_down.py): still down?
-        if down is not None and mode == "adaptive" and version == down.version and k == down.k:
-            counts, b = down.counts, down.bucket
-            count = counts[b] + 1
-            if count < down.probe_at and down.b2 * float(sum(kv) if isinstance(kv, list) else int(kv.sum())) \
-                    >= down.start:
-                counts[b] = count
-                self.adaptive_steps += 1
-                return PlainStep(self, down.model, kv, max_keep, k)
+        if mode == "adaptive":
+            held = self.held_plain(kv, max_keep, version, k)
+            if held is not None:
+                return held
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         if not k and mode == "static":  # plain decoding: nothing to decide (a SpecStep had cost it 2-3 us a step)
@@ -216,16 +211,38 @@ class SpecPolicy:
                 # next steps of this batch size
                 start = None if probe else self.terms.stand_down_at(model, n, k)
                 if start is not None and model.b2 * float(total) >= start:
+                    step = PlainStep(self, model, kv, max_keep, k)
                     if not cold:  # (a cold start's steps may probe at any step)
-                        self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n),
-                                                   self.terms.could_pay(model, n, k))
-                    return PlainStep(self, model, kv, max_keep, k)
+                        down = self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n),
+                                                          self.terms.could_pay(model, n, k))
+                        down.step = step
+                    return step
             if one is not None:
                 return one
         else:
             catchup, at = None, 0
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,
                         catchup=catchup, level=at)
+
+    def held_plain(self, kv, max_keep, version: int, k: int):
+        """begin_step's fast path for an adaptive step, which the runner asks first: the step's PlainStep
+        where this batch size's last stand-down (controller/stand_down.py) still holds, else None (then
+        begin_step decides). Counted as begin_step counts it. The PlainStep is the stand-down's own,
+        handed out again at each such step with this step's kv and caps: the step reads it until
+        end_plain_step and keeps nothing of it (a new one each step, and the runner's catch-up
+        callable, had cost a standing-down step about 1.5 us more)."""
+        down = self._downs.get(len(kv))
+        if down is None or version != down.version or k != down.k:
+            return None
+        counts, b = down.counts, down.bucket
+        count = counts[b] + 1
+        if count >= down.probe_at or down.b2 * float(sum(kv) if isinstance(kv, list) else int(kv.sum())) < down.start:
+            return None
+        counts[b] = count
+        self.adaptive_steps += 1
+        step = down.step
+        step.kv, step.max_keep_list, step._full = kv, max_keep, None
+        return step
 
     def draft_row(self, k: int) -> int | None:
         """The first of k rows of the draft slab for a batch-1 step's draft loop, or None where they

@@ -31,7 +31,7 @@ class StandDown:
     `start` and its bucket's step count (`counts[bucket]`, the ProbeSchedule's own list) stays
     below `probe_at`."""
 
-    __slots__ = ("version", "k", "b2", "start", "counts", "bucket", "probe_at", "model")
+    __slots__ = ("version", "k", "b2", "start", "counts", "bucket", "probe_at", "model", "step")
 
     def __init__(self, version: int, model, k: int, start: float, probes, bucket: int, may_probe: bool = True):
         """may_probe: False where no probe is ever due at these terms (drafting could not pay
@@ -41,6 +41,7 @@ class StandDown:
         self.counts, self.bucket = probes.steps, bucket
         # ProbeSchedule.due's first True
         self.probe_at = probes.last[bucket] + probes.every[bucket] if may_probe else float("inf")
+        self.step: PlainStep | None = None  # the PlainStep each of its steps is handed (SpecPolicy.held_plain)
 
 
 class PlainStep:

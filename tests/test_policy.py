@@ -736,6 +736,29 @@ def test_past_the_stand_down_point_a_step_is_plain_without_the_budget_loop(margi
     assert tight >= 20 and plain >= 40, (tight, plain)
 
 
+def test_a_held_stand_down_hands_out_its_plain_step_with_each_step_s_inputs():
+    """held_plain, which the runner asks first: None until a stand-down is held for the batch size,
+    then the stand-down's own PlainStep at every step, carrying that step's kv and caps, counted as
+    an adaptive step; None again for another batch size or time model, or once its bucket's probe is
+    due (then begin_step decides)."""
+    policy = _policy(k=4)
+    _teach(policy, 0.6)
+    tm = TimeModel(version=1, b0=1.0, b1=0.1, b2=1e-3, d0=2.0, d1=0.0)  # drafting never pays
+    policy.install(tm)
+    kv = [300] * 8
+    assert policy.held_plain(kv, [4] * 8, 1, 4) is None
+    first = policy.begin_step("adaptive", kv, [4] * 8, 1, 4)
+    assert isinstance(first, PlainStep) and policy._downs.get(8) is not None
+    steps = policy.adaptive_steps
+    got = [policy.held_plain([300 + i] * 8, [4 - i % 2] * 8, 1, 4) for i in range(3)]
+    assert got[0] is got[1] is got[2] is policy._downs[8].step and policy.adaptive_steps == steps + 3
+    assert got[2].kv == [302] * 8 and got[2].max_keep.tolist() == [4] * 8 and got[2].budget == 0
+    assert policy.held_plain(kv[:4], [4] * 4, 1, 4) is None and policy.held_plain(kv, [4] * 8, 2, 4) is None
+    down = policy._downs[8]
+    down.probe_at = down.counts[down.bucket] + 1
+    assert policy.held_plain(kv, [4] * 8, 1, 4) is None
+
+
 def test_a_large_batch_keeps_what_the_rule_decides_from_its_estimates():
     """A large batch's early stops and keep read path probabilities the step quantised once per
     position: keep equals decide_with over the step's own estimates, after every early stop."""

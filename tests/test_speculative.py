@@ -110,7 +110,7 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
         out = log.reserve(len(h)) if in_place else None
         if out is not None:  # the forward's output, also written into the rows the log reserved
             out[0][out[1]:out[1] + len(h)].copy_(h)
-        log.add([s.seq_id for s in present], h, None if plain else firsts, None if plain else counts,
+        log.add(present, h, None if plain else firsts, None if plain else counts,
                 written=out is not None)
         kept = log.output(-1)
         assert kept.shape == h.shape and torch.equal(kept, h) and torch.equal(log.output(log.end - 1), h)
@@ -137,6 +137,38 @@ def test_hidden_log_gives_back_each_sequence_s_rows(block_rows, in_place):
     assert blocks and (block_rows > 100 or blocks & reused)  # small blocks: some held now were reused
     assert block_rows > 100 or as_is  # outputs over 8 rows kept as they are
     assert not in_place or log.reserve(1) is not None  # reserved once the first output gave the rows' shape
+
+
+def test_hidden_log_trims_once_the_oldest_reader_goes():
+    """Steps that drafted nothing, kept with `take` (the rows reserved and kept in one call): the
+    entries stay while the sequence that holds the oldest one is live and has not read, however
+    many trims pass (the trim then looks at no sequence), and go at the first trim after it
+    finishes or reads, back to the oldest entry any sequence still holds."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from workers.hidden_log import TRIM_EVERY, HiddenLog
+
+    log = HiddenLog()
+    seqs = [SimpleNamespace(seq_id=i, hidden_step=0) for i in range(3)]
+    live = {s.seq_id: s for s in seqs}
+    log.add(seqs, torch.zeros(3, 4), None, None, live)  # the first output gives the rows' shape
+    for _ in range(3 * TRIM_EVERY):
+        rows, at = log.take(seqs, live)
+        rows[at:at + 3] = 1.0
+    assert log.first == 0 and len(log.entries) == 3 * TRIM_EVERY + 1
+    seqs[1].hidden_step = seqs[2].hidden_step = log.end - 5  # the others read; seq 0 still holds entry 0
+    for _ in range(TRIM_EVERY):
+        rows, at = log.take(seqs, live)
+        rows[at:at + 3] = 1.0
+    assert log.first == 0
+    del live[0]  # seq 0 finishes
+    for _ in range(TRIM_EVERY):
+        rows, at = log.take(list(live.values()), live)
+        rows[at:at + 2] = 1.0
+    assert log.first == seqs[1].hidden_step
+    assert torch.equal(torch.cat(log.rows(1, seqs[1].hidden_step)), torch.ones(5 + 2 * TRIM_EVERY, 4))
 
 
 def test_mtp_drafts_after_a_long_stretch_without(sharegpt_prompts, reference):

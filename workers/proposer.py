@@ -72,16 +72,21 @@ class Proposer:
     def commit(self, seq: SeqState, accepted: int, draft_steps: int) -> None:
         """After validation: `accepted` of the drafts were accepted, `draft_steps` were drafted."""
 
-    def keep(self, ids: list[int], hidden: torch.Tensor, firsts: list[int], counts: list[int], live,
+    def keep(self, seqs: list[SeqState], hidden: torch.Tensor, firsts: list[int], counts: list[int], live,
              written: bool = False) -> None:
-        """A target forward's output (T, H): sequence ids[i]'s next positions are its rows firsts[i] ..
-        firsts[i] + counts[i] - 1 (both None: its one next position is row i); live: every sequence on
-        this rank (SeqState); written: the forward also wrote it where `reserve` said. Only the MTP
-        module reads them."""
+        """A target forward's output (T, H): sequence seqs[i]'s next positions are its rows firsts[i] ..
+        firsts[i] + counts[i] - 1 (both None: its one next position is row i; the list is held, not
+        copied); live: every sequence on this rank (SeqState values, or the dict of them by id);
+        written: the forward also wrote it where `reserve` said. Only the MTP module reads them."""
 
     def reserve(self, n: int) -> tuple[torch.Tensor, int] | None:
         """Where the next target forward of n rows should also write its output (CausalLM.forward's
         `out`), for `keep` to keep without a copy; None: nowhere."""
+        return None
+
+    def take(self, seqs: list[SeqState], live) -> tuple[torch.Tensor, int] | None:
+        """reserve and keep at once, before a target forward of one row per sequence (a step that
+        drafts nothing): where it must write its output, already kept; None: not kept (call keep)."""
         return None
 
     def start(self, seq: SeqState, head: torch.Tensor | None = None) -> None:
@@ -145,7 +150,7 @@ class MTPProposer(Proposer):
         self.cache = mtp.new_kv_cache(num_blocks, block_size)
         self.log = HiddenLog()
         # Proposer.keep and reserve are the log's own, called at every step: not a method's call around each
-        self.keep, self.reserve = self.log.add, self.log.reserve
+        self.keep, self.reserve, self.take = self.log.add, self.log.reserve, self.log.take
 
     def weight_modules(self) -> dict:
         return {"draft": self.mtp} | ({"draft_head": self.head} if self.head is not None else {})

@@ -106,8 +106,7 @@ class ModelRunner:
         for s, n in zip(seqs, lens):
             s.num_computed += n
         if self.proposer is not None:
-            self.proposer.keep([p.seq_id for p in plan.seqs], hidden, [0, *accumulate(lens[:-1])], lens,
-                               self.seqs.values(), out is not None)
+            self.proposer.keep(seqs, hidden, [0, *accumulate(lens[:-1])], lens, self.seqs, out is not None)
         for row, i in enumerate(last):
             s, p = seqs[i], plan.seqs[i]
             if p.next_token is not None:  # recomputed after a preemption: the token is known
@@ -150,11 +149,15 @@ class ModelRunner:
         max_keep = [p.num_spec for p in plan.seqs]
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
-        step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
-                                      _catchup(seqs, plan, k, self.stretches) if k and plan.mode == "adaptive"
-                                      else None,
-                                      (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 and self.policy.seq_history
-                                      else None)
+        # standing down as the step before did: the policy's held answer, asked first (nothing to build for it)
+        step = self.policy.held_plain(kv, max_keep, plan.time_model_version, k) if k and plan.mode == "adaptive" \
+            else None
+        if step is None:
+            step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
+                                          _catchup(seqs, plan, k, self.stretches) if k and plan.mode == "adaptive"
+                                          else None,
+                                          (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 and self.policy.seq_history
+                                          else None)
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
@@ -206,7 +209,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         batch = AttnBatch.build(kv, [1] * n, [s.block_table for s in seqs], self.block_size, self.device)
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
-        out = self._out_rows(n)
+        # the proposer keeps the rows before the forward writes them (one call, not reserve's and keep's)
+        out = self.proposer.take(seqs, self.seqs) if self.proposer is not None else None
         hidden = self.target(ids, batch, self.cache, out)
         logits = self.target.logits(hidden).cpu()
         stats.validate_ms = (time.perf_counter() - t1) * 1e3
@@ -214,7 +218,7 @@ class ModelRunner:
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         keep = [0] * n
         outputs = self._accept(plan, seqs, drafting.NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats,
-                               out is not None)
+                               out is not None, kept=out is not None)
         if plan.mode == "adaptive":
             if step.wants:  # the budget would draft, and the rows' catch-up or a plain probe said no
                 self.stretches.extend(1.0)
@@ -233,10 +237,11 @@ class ModelRunner:
         return self.proposer.reserve(n) if self.proposer is not None else None
 
     def _accept(self, plan, seqs, draft, drafted, keep, lens, hidden, logits, stats,
-                written: bool = False) -> list[SeqOutput]:
+                written: bool = False, kept: bool = False) -> list[SeqOutput]:
         """drafted: (n, m) draft tokens as lists; keep: (n,) verified drafts (a list); lens: keep + 1,
         the rows of `logits` (T, V) each sequence owns, in order; written: the forward also wrote
-        `hidden` where the proposer reserved (_out_rows)."""
+        `hidden` where the proposer reserved (_out_rows); kept: ... and the proposer keeps it already
+        (Proposer.take)."""
         target = argmax_rows(logits)  # the target's choice after each validated token
         accepted, emitted, row = [], [], 0
         for i, (s, p) in enumerate(zip(seqs, plan.seqs)):
@@ -271,13 +276,12 @@ class ModelRunner:
             elif records and s.trials:  # none: what it holds fades all the same
                 s.hits, s.trials = history.fade(s.hits, s.trials)
             outputs.append(SeqOutput(p.seq_id, new, drafted=min(p.num_spec, steps), verified=verified - 1, accepted=a))
-        if self.proposer is not None:  # each sequence's rows start where the one before it ends; a + 1 are final
-            ids = [p.seq_id for p in plan.seqs]
-            if draft.steps:
-                self.proposer.keep(ids, hidden, [0, *accumulate(lens[:-1])], [a + 1 for a in accepted],
-                                   self.seqs.values(), written)
+        if self.proposer is not None and not kept:  # each sequence's rows start where the one before it ends
+            if draft.steps:  # (a + 1 are final)
+                self.proposer.keep(seqs, hidden, [0, *accumulate(lens[:-1])], [a + 1 for a in accepted], self.seqs,
+                                   written)
             else:  # one row each
-                self.proposer.keep(ids, hidden, None, None, self.seqs.values(), written)
+                self.proposer.keep(seqs, hidden, None, None, self.seqs, written)
         return outputs
 
 
