@@ -40,7 +40,7 @@ class OneRowStep(SpecStep):
         row = self._row = policy.draft_row(k)
         best_m = self.best_m = self.wants = one.begin(self.kv_list[0], cap, k, -1 if row is None else row)
         budget = min(k, best_m + 1) if probe or (best_m and policy.early_stop_on) else best_m
-        if budget and not probe and policy.probes.plain_due():
+        if budget and not probe and policy.probes.plain_due(model.plain_measured):
             budget = 0  # a plain probe
         if probe and best_m == 0 and budget:  # a stand-down probe: its one row drafts, and exploration verifies it
             self.rows = self._explore = [0]

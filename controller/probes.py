@@ -55,6 +55,19 @@ a drafting one, and the budget drafted at batch 2 where plain decoding was faste
 One step in 128 gives up what drafting gains there (about 0.1% at batch 1) and keeps 32
 plain steps in the registry's window.
 
+Until the registry has priced a plain step from settled plain steps of its own (the model's
+`plain_measured`: PLAIN_MIN_SAMPLES of them in its window at some refit, registry.py), plain
+probes come YOUNG_SHARE times as often. A young engine at batch 1 that drafted nearly every step
+had 7 settled plain steps in its window after two rounds of 48 requests: it could measure neither
+how much dearer a drafting step validates (v_drafted, kept at 0) nor the machine's speed for plain
+steps (taken from its drafting steps instead), so it priced a drafting step's validation 14-20%
+too cheap and a plain one 9% too dear, and read drafting 3 as 1.21-1.28x a plain step's
+throughput where drafting broke even (on a machine where the draft forward costs about what the
+1-layer target's does). With plain probes 8 times as often its model measured v_drafted at 0.098
+ms and read 1.06-1.10x. In the offline benchmark, where plain decoding runs in the same engine and
+gives the registry settled plain steps in plenty, adaptive stood batch 1 down there (0.0085
+verified drafts a step).
+
 A plain probe is a stretch of PLAIN_RUN plain steps: the last PLAIN_RUN of every
 PLAIN_EVERY * PLAIN_RUN steps that would draft (the same share). A plain step right after
 drafting validates dearer than plain decoding's (samples.SETTLE_STEPS), so single plain
@@ -71,6 +84,7 @@ PROBE_EVERY = 32  # a bucket's steps probe every 32 adaptive steps ...
 PROBE_MAX_EVERY = 4096  # ... backing off (doubling) while its probes keep finding that drafting does not pay
 PLAIN_EVERY = 128  # one in 128 adaptive steps that would draft runs plain (a plain probe) ...
 PLAIN_RUN = 8  # ... in stretches of this many (more than samples.SETTLE_STEPS)
+YOUNG_SHARE = 8  # ... and 8 times as often until the time model has priced a plain step (TimeModel.plain_measured)
 
 
 class ProbeSchedule:
@@ -100,11 +114,14 @@ class ProbeSchedule:
         self.last[b], self.probes = step, self.probes + 1
         return True
 
-    def plain_due(self) -> bool:
+    def plain_due(self, measured: bool = True) -> bool:
         """An adaptive step that would draft (no probe): does it run plain? (Counted if so.) The last
-        PLAIN_RUN of every PLAIN_EVERY * PLAIN_RUN such steps do."""
+        PLAIN_RUN of every PLAIN_EVERY * PLAIN_RUN such steps do; until the time model in use has priced
+        a plain step from settled plain steps (`measured`: TimeModel.plain_measured), of every
+        PLAIN_EVERY // YOUNG_SHARE * PLAIN_RUN."""
         self.drafting += 1
-        if (self.drafting + PLAIN_RUN - 1) % (self.plain_every * PLAIN_RUN) >= PLAIN_RUN:
+        every = self.plain_every if measured else max(1, self.plain_every // YOUNG_SHARE)
+        if (self.drafting + PLAIN_RUN - 1) % (every * PLAIN_RUN) >= PLAIN_RUN:
             return False
         self.plain += 1
         return True

@@ -288,6 +288,7 @@ class ProfileRegistry:
             self._v_drafted = model.v_drafted
         else:
             model = dataclasses.replace(model, v_drafted=self._v_drafted)
+        model = dataclasses.replace(model, plain_measured=self._plain_speed is not None)
         report = dataclasses.replace(report, model=self._with_catchup(model))
         self.model, self.last_report, self.since_fit = report.model, report, 0
         self.recent_err.clear()

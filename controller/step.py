@@ -63,7 +63,7 @@ class SpecStep:
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
         self.wants = 0  # ... and before its rows' catch-up is priced (adaptive; catchup.DraftStretches)
         self.budget = self._budget(k) if mode == "adaptive" and k else k
-        if self.budget and mode == "adaptive" and not probe and policy.probes.plain_due():
+        if self.budget and mode == "adaptive" and not probe and policy.probes.plain_due(model.plain_measured):
             self.budget = 0  # a plain probe (controller/probes.py): what a plain step's rest costs here
         if mode == "adaptive" and probe and self.best_m == 0 and self.budget:  # a stand-down probe
             self.rows = self._explore = [policy.probes.probes % n]  # one row, in turn (see rows above)

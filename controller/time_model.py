@@ -86,6 +86,9 @@ class TimeModel:
     # ms per token a first draft step catches up on past a steady step's (after standing down, or on a
     # new prompt; controller/catchup.py; 0: not priced)
     catchup_ms: float = 0.0
+    # the registry has priced a plain step from settled online plain steps (registry.py; until then plain probes
+    # come more often: probes.py). A model made by hand counts as measured
+    plain_measured: bool = True
 
     @property
     def kind(self) -> str:

@@ -343,6 +343,29 @@ def test_one_drafting_step_in_128_runs_plain_in_stretches():
     assert all(_budget(down, model) == 0 for _ in range(2 * period)) and down.probes.plain == 0
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_plain_probes_come_more_often_until_the_time_model_has_priced_a_plain_step(ops, n):
+    """Under a time model that has not priced a plain step from settled plain steps of its own
+    (plain_measured False: a young engine whose batch drafts at nearly every step) the plain
+    probes' stretches come YOUNG_SHARE times as often, at batch 1 (its OneRow) and above; under a
+    measured model as before."""
+    from controller.probes import YOUNG_SHARE
+
+    period = PLAIN_EVERY // YOUNG_SHARE * PLAIN_RUN
+    for measured in (False, True):
+        policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig(enabled=True)), ops)
+        _teach(policy, 0.95)
+        policy.cold_alone = False
+        policy.probes.last = [10**9] * len(policy.probes.last)  # no stand-down probe in these steps
+        model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0, plain_measured=measured)
+        budgets = [_budget(policy, model, n=n) for _ in range(3 * period)]
+        plain = [i for i, b in enumerate(budgets) if b == 0]
+        if measured:
+            assert plain == [], n
+        else:
+            assert plain == [p * period - PLAIN_RUN + j for p in (1, 2, 3) for j in range(PLAIN_RUN)], n
+
+
 def test_probes_back_off_per_batch_size():
     """A load that moves between one sequence (drafting pays there) and eight (it does not), a
     tenth of its steps at eight: the steps at eight back off their probes as if the steps at one

@@ -253,6 +253,28 @@ def test_a_plain_step_is_priced_at_plain_decoding_s_cost_not_a_settling_one_s():
         assert abs(prices[True] - 1.0) < 0.03 and prices[False] > 1.04, (kind, prices)
 
 
+def test_a_fit_says_whether_it_has_priced_a_plain_step():
+    """TimeModel.plain_measured: a fitted model is unmeasured (plain probes come more often,
+    probes.py) until a refit finds PLAIN_MIN_SAMPLES settled plain steps in the window, and
+    measured from then on, also once the window holds none (as the machine's speed for plain
+    steps is kept); settling plain steps and drafting steps do not count. A hand-made model
+    counts as measured."""
+    def step(q, drafts, settling=0):
+        return StepSample(1, q, 100 * q, 1.0 + 0.1 * q + (0.2 if drafts else 0.0), 3 if drafts else 0,
+                          0.6 if drafts else 0.0, catchup_tokens=1, settling=settling)
+    assert TimeModel().plain_measured
+    sweep = [step(q, False) for q in range(1, 9) for _ in range(4)]
+    reg = ProfileRegistry(refit_every=10**6, initial=TimeModel(version=1), sweep=sweep)
+    assert not reg.refit().model.plain_measured  # the sweep alone
+    reg.add([step(4, True) for _ in range(500)] + [step(1, False, settling=1) for _ in range(PLAIN_MIN_SAMPLES)])
+    reg.add([step(1, False) for _ in range(PLAIN_MIN_SAMPLES - 1)])
+    assert not reg.refit().model.plain_measured
+    reg.add([step(1, False)])
+    assert reg.refit().model.plain_measured
+    reg.add([step(4, True) for _ in range(WINDOW)])  # no plain step left in the window
+    assert reg.refit().model.plain_measured
+
+
 def test_a_plain_step_s_rest_is_priced_at_settled_plain_steps_not_settling_ones():
     """The same for the rest of a step (o0 + o1 E): in an engine that drafts, its plain steps are
     mostly the first after drafting (at batch 1 every sequence's last step, which drafts
