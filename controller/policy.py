@@ -170,11 +170,20 @@ class SpecPolicy:
         request whose drafts were accepted less than the workload's stood batch 1 down for good;
         at larger batches a probe's row turns, so 64 are many requests' (512 there had kept an
         engine at batch 32 probing at every step through its warm-up and after: 0.961 of plain
-        decoding in pairs)."""
+        decoding in pairs).
+
+        An adaptive step first asks `held_plain` (standing down as the step before did); the rest
+        is `decide_step`, which the runner calls itself once it has asked held_plain."""
         if mode == "adaptive":
             held = self.held_plain(kv, max_keep, version, k)
             if held is not None:
                 return held
+        return self.decide_step(mode, kv, max_keep, version, k, oracle, catchup, record)
+
+    def decide_step(self, mode: str, kv, max_keep, version: int, k: int,
+                    oracle: np.ndarray | None = None, catchup=None, record: tuple | None = None) -> SpecStep:
+        """begin_step without its held_plain: for a caller that asked held_plain already (the runner,
+        which builds the catch-up callable only where that said None)."""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
         if not k and mode == "static":  # plain decoding: nothing to decide (a SpecStep had cost it 2-3 us a step)

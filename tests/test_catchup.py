@@ -188,7 +188,7 @@ def test_the_runner_learns_how_long_drafting_lasts_from_its_own_steps():
     try:
         engine.set_mode("adaptive")
         runner = engine.workers.worker.runner
-        policy, begin = runner.policy, runner.policy.begin_step
+        policy, begin = runner.policy, runner.policy.decide_step
         phase, priced = ["plain"], []
 
         def steps(mode, kv, max_keep, version, k, oracle=None, catchup=None, record=None):
@@ -202,7 +202,7 @@ def test_the_runner_learns_how_long_drafting_lasts_from_its_own_steps():
                 step.budget = 0
             return step
 
-        policy.begin_step = steps
+        policy.decide_step = steps  # the runner's entry (after held_plain)
         ended, end = [], policy.end_step
         policy.end_step = lambda *a: ended.append(a[5:]) or end(*a)
         for _ in range(2):

@@ -103,20 +103,20 @@ def test_the_early_stop_expects_a_good_records_next_draft_more_often():
 
 
 def _records_given(policy) -> list:
-    """The record each later begin_step of `policy` is handed, in order."""
-    given, begin = [], policy.begin_step
+    """The record each later decide_step of `policy` (begin_step's, and the runner's entry) is handed, in order."""
+    given, begin = [], policy.decide_step
 
     def spy(*args, **kwargs):
         given.append(args[7] if len(args) > 7 else kwargs.get("record"))
         return begin(*args, **kwargs)
 
-    policy.begin_step = spy
+    policy.decide_step = spy
     return given
 
 
 def _drafting_engine(*overrides):
     """An in-process engine at k = 4 whose time model makes drafting pay, and the records its
-    begin_step is handed (_records_given)."""
+    decide_step is handed (_records_given)."""
     engine = local_engine(tiny_config("parallel.tp_size=1", "speculative.adaptive.enabled=true",
                                       "speculative.adaptive.profile_on_start=false",
                                       "speculative.num_speculative_tokens=4", *overrides))

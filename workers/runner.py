@@ -153,11 +153,11 @@ class ModelRunner:
         step = self.policy.held_plain(kv, max_keep, plan.time_model_version, k) if k and plan.mode == "adaptive" \
             else None
         if step is None:
-            step = self.policy.begin_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
-                                          _catchup(seqs, plan, k, self.stretches) if k and plan.mode == "adaptive"
-                                          else None,
-                                          (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 and self.policy.seq_history
-                                          else None)
+            step = self.policy.decide_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
+                                           _catchup(seqs, plan, k, self.stretches) if k and plan.mode == "adaptive"
+                                           else None,
+                                           (seqs[0].hits, seqs[0].trials) if len(seqs) == 1 and self.policy.seq_history
+                                           else None)
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
@@ -218,7 +218,7 @@ class ModelRunner:
         stats.predicted_validate_ms = step.model.validate_ms_from(stats.num_tokens, stats.kv_tokens)
         keep = [0] * n
         outputs = self._accept(plan, seqs, drafting.NO_DRAFTS, [[]] * n, keep, [1] * n, hidden, logits, stats,
-                               out is not None, kept=out is not None)
+                               kept=out is not None)
         if plan.mode == "adaptive":
             if step.wants:  # the budget would draft, and the rows' catch-up or a plain probe said no
                 self.stretches.extend(1.0)
@@ -290,7 +290,7 @@ def _rounded(a: np.ndarray) -> list[list[float]]:
 
 
 def _catchup(seqs: list[SeqState], plan: StepPlan, k: int, stretches: DraftStretches | None = None):
-    """For begin_step: k -> the rows' catch-up past a steady step's per token left, or per token
+    """For decide_step: k -> the rows' catch-up past a steady step's per token left, or per token
     drafting is expected to last where that is fewer (stretches.horizon(); catchup.switch_cost),
     counted from where the draft last ran or the prompt ends, whichever is later (controller/catchup.py),
     computed only if asked; None for one sequence no further behind than a steady step (batch 1's usual
