@@ -15,7 +15,8 @@ def test_packed_linear_equals_torch(ops, n, k):
     g = torch.Generator().manual_seed(n)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = ops.pack_linear_weight(w)
-    for m in (1, 2, 3, 4, 5, 6, 7, 13, 33):  # every tile height (4 rows with AVX-512, 6 without) and remainders
+    # every tile height (4 rows, then 5-8 rows x 2 panels with AVX-512; 6 rows without) and remainders
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 33):
         x = torch.randn(m, k, generator=g)
         torch.testing.assert_close(ops.packed_linear(x, packed, n), F.linear(x, w), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ops.packed_linear(x, packed, n, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
@@ -26,7 +27,7 @@ def test_packed_linear_is_batch_invariant(ops):
     w = torch.randn(300, 256, generator=g)
     packed, x = ops.pack_linear_weight(w), torch.randn(37, 256, generator=g)
     full = ops.packed_linear(x, packed, 300)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(30, 37)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(30, 37), slice(0, 5), slice(2, 10), slice(8, 21)):
         assert torch.equal(ops.packed_linear(x[rows].contiguous(), packed, 300), full[rows])
 
 
@@ -412,7 +413,7 @@ def test_bfloat16_panels_compute_in_float32_from_rounded_weights(ops):
     full = ops.packed_linear(x, packed, 300, b)
     torch.testing.assert_close(full, F.linear(x, w.to(torch.bfloat16).float(), b), rtol=1e-4, atol=1e-4)
     assert (full - F.linear(x, w, b)).abs().max() > 1e-3  # the rounding is there
-    for rows in (slice(0, 1), slice(3, 11), slice(30, 37)):
+    for rows in (slice(0, 1), slice(3, 11), slice(30, 37), slice(0, 6), slice(9, 17)):
         assert torch.equal(ops.packed_linear(x[rows].contiguous(), packed, 300, b), full[rows])
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.pack_linear_weight(w.half())

@@ -32,6 +32,7 @@ typedef adaspec::vecf vec;
 constexpr int64_t LANES = 16;  // output features per panel (the packed layout)
 constexpr int64_t PANELS = VL == 16 ? 4 : 1;  // panels per column group and tile
 constexpr int64_t ROWS = VL == 16 ? 4 : 6;    // rows per register tile
+constexpr int64_t WIDE_ROWS = VL == 16 ? 8 : 0;  // rows per tile of 2 panels past ROWS (none without AVX-512)
 constexpr int64_t SUB = LANES / VL;  // vectors per panel
 
 typedef uint16_t bf16v __attribute__((vector_size(VL * sizeof(uint16_t)), aligned(2), may_alias));
@@ -126,6 +127,24 @@ TileFn<W> tile_fn(int64_t rows, int64_t panels) {
   }
 }
 
+// With AVX-512, 5-8 rows go in one pass too: R rows x 2 panels (at most 16 accumulators), each
+// weight vector loaded once for all R rows. Four-row tiles over 4 panels had streamed a column
+// group's weights once per 4 rows: a fifth row cost a second pass over them.
+template <int R, typename W>
+TileFn<W> wide_for_panels(int64_t p) {
+  return p == 1 ? &tile<R, 1, W> : &tile<R, 2, W>;
+}
+
+template <typename W>
+TileFn<W> wide_fn(int64_t rows, int64_t panels) {
+  switch (rows) {
+    case 5: return wide_for_panels<5, W>(panels);
+    case 6: return wide_for_panels<6, W>(panels);
+    case 7: return wide_for_panels<7, W>(panels);
+    default: return wide_for_panels<8, W>(panels);
+  }
+}
+
 template <typename W>
 void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t N,
                    int64_t np) {
@@ -134,7 +153,19 @@ void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p0 = g * PANELS, panels = std::min(PANELS, np - p0);
       const int64_t col0 = p0 * LANES, cols = std::min(panels * LANES, N - col0);
-      for (int64_t m = 0; m < M; m += ROWS) {
+      int64_t m = 0;
+      if constexpr (WIDE_ROWS > 0) {
+        for (; M - m > ROWS; m += std::min(WIDE_ROWS, M - m)) {  // 5-8 rows at a time, 2 panels a tile
+          const int64_t rows = std::min(WIDE_ROWS, M - m);
+          for (int64_t p = 0; p < panels; p += 2) {
+            const int64_t c = col0 + p * LANES;
+            wide_fn<W>(rows, std::min<int64_t>(2, panels - p))(xp + m * K, K, wp + (p0 + p) * K * LANES,
+                                                               bp ? bp + c : nullptr, yp + m * N + c, N,
+                                                               std::min(2 * LANES, cols - p * LANES));
+          }
+        }
+      }
+      for (; m < M; m += ROWS) {
         const int64_t rows = std::min(ROWS, M - m);
         tile_fn<W>(rows, panels)(xp + m * K, K, wp + p0 * K * LANES, bp ? bp + col0 : nullptr, yp + m * N + col0, N,
                                  cols);
