@@ -62,8 +62,8 @@ had 7 settled plain steps in its window after two rounds of 48 requests: it coul
 how much dearer a drafting step validates (v_drafted, kept at 0) nor the machine's speed for plain
 steps (taken from its drafting steps instead), so it priced a drafting step's validation 14-20%
 too cheap and a plain one 9% too dear, and read drafting 3 as 1.21-1.28x a plain step's
-throughput where drafting broke even (on a machine where the draft forward costs about what the
-1-layer target's does). With plain probes 8 times as often its model measured v_drafted at 0.098
+throughput where drafting broke even (on a machine where drafting 3 costs about 0.47 ms a step against
+a 0.33 ms target forward). With plain probes 8 times as often its model measured v_drafted at 0.098
 ms and read 1.06-1.10x. In the offline benchmark, where plain decoding runs in the same engine and
 gives the registry settled plain steps in plenty, adaptive stood batch 1 down there (0.0085
 verified drafts a step).
