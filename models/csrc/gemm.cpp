@@ -6,8 +6,9 @@
 // panels, so both cores share even a one-row product (MKL runs those on one).
 //
 // The tile is sized to the registers the CPU has (VL floats a vector): with AVX-512, 4 rows
-// x 4 panels (16 of 32 registers hold the accumulators); without it, 6 rows x 1 panel (12 of
-// the 16 AVX2 registers). Vector types are the machine's width: a 64-byte type on a CPU
+// x 4 panels (16 of 32 registers hold the accumulators), and where more than 4 rows are left,
+// 5-8 rows x 2 panels (wide_fn: as many accumulators, each weight loaded once for all the
+// rows); without it, 6 rows x 1 panel (12 of the 16 AVX2 registers). Vector types are the machine's width: a 64-byte type on a CPU
 // without 64-byte registers lived on the stack, every multiply-add a load and a store, and
 // the kernel ran 4.5-18x slower than torch's linear (an AVX2 AMD EPYC, GCC 12).
 //
