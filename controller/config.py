@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 METHODS = ("mtp", "draft_model")
 ESTIMATORS = ("top_prob_logistic", "top_prob_calibrated", "top_prob", "token_prob")
 TIME_MODELS = ("table", "linear")  # controller/time_model.py
-DRAFT_WEIGHTS = ("bfloat16", "float32")  # models/kernels.py, pack_weights_as
+DRAFT_WEIGHTS = ("bfloat16", "int8", "float32")  # models/kernels.py, pack_weights_as
 
 
 @dataclass

@@ -127,10 +127,30 @@ def linear(owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.
             owner = owner.__dict__.get(PACK_OWNER, owner)
             packed = owner.__dict__.get("_packed")
             if packed is None or packed[0] != weight.data_ptr():
-                w = weight.detach().to(owner.__dict__.get(PACK_DTYPE, _F32))
-                packed = owner.__dict__["_packed"] = (weight.data_ptr(), ops.pack_linear_weight(w))
-            return ops.packed_linear(x.contiguous(), packed[1], weight.shape[0], bias)
+                packed = owner.__dict__["_packed"] = (weight.data_ptr(),
+                                                      *pack(ops, weight.detach(), owner.__dict__.get(PACK_DTYPE, _F32)))
+            return ops.packed_linear(x.contiguous(), packed[1], weight.shape[0], bias, packed[2])
     return F.linear(x, weight, bias)
+
+
+def pack(ops, weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """weight (N, K) as the packed kernel streams it in `dtype`: its panels, and for int8 the
+    scale of each output feature (quantise_rows), padded to whole panels; None otherwise."""
+    if dtype is not torch.int8:
+        return ops.pack_linear_weight(weight.to(dtype)), None
+    q, scale = quantise_rows(weight)
+    padded = torch.ones(-(-len(scale) // 16) * 16, dtype=torch.float32)
+    padded[:len(scale)] = scale
+    return ops.pack_linear_weight(q), padded
+
+
+def quantise_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output feature (row): q = round(w / s), s = max |w| / 127 of the row
+    (1 for a row of zeros), so that w is about q * s."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 PACK_DTYPE = "_pack_dtype"  # a module's packed weights' dtype (float32 if unset)
@@ -139,11 +159,12 @@ PACK_OWNER = "_pack_owner"  # the module whose packed copy a module's weight-sha
 
 def pack_weights_as(module: nn.Module, dtype: torch.dtype) -> None:
     """The packed kernel streams `module`'s linear weights (all its submodules') in `dtype`
-    (float32 or bfloat16) from now on, computing in float32 as before; the parameters stay
-    as they are. For a draft model: bfloat16 halves the bytes each draft step reads, and a
-    draft's rounding changes only which tokens are proposed, never what verification emits."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"packed weights are float32 or bfloat16, not {dtype}")
+    (float32, bfloat16, or int8 with a scale per output feature) from now on, computing in
+    float32 as before; the parameters stay as they are. For a draft model: bfloat16 halves the
+    bytes each draft step reads and int8 quarters them, and a draft's rounding changes only
+    which tokens are proposed, never what verification emits."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"packed weights are float32, bfloat16 or int8, not {dtype}")
     for m in module.modules():
         m.__dict__[PACK_DTYPE] = dtype
         m.__dict__.pop("_packed", None)

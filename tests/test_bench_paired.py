@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cluster.bench.paired import (arrivals, comparisons, group_engines, groups, main, paired_round, rate_point,
                                   share_engine_weights, sweep)
@@ -190,6 +191,33 @@ def test_engines_read_one_copy_of_each_model(stepped_first):
                 if "_packed" in owner.__dict__:
                     reads.append(id(owner.__dict__["_packed"][1]))
             assert sorted(reads) == sorted(held), role
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def test_an_arm_with_other_draft_weights_shares_the_target_alone():
+    """A variant whose draft streams int8 weights (speculative.draft_weights) beside one streaming
+    bfloat16: both read one target, each its own draft (share_weights refuses other packed
+    dtypes), and both emit the target's greedy tokens."""
+    sizing = ("speculative.adaptive.profile_on_start=false", "parallel.tp_size=1", "speculative.adaptive.enabled=false")
+    engines = [local_engine(tiny_config(*sizing, o)) for o in
+               ("speculative.draft_weights=bfloat16", "speculative.draft_weights=int8")]
+    try:
+        share_engine_weights(engines)
+        mods = [e.workers.worker.runner.weight_modules() for e in engines]
+        first = {role: {n: t.data_ptr() for n, t in m.state_dict(keep_vars=True).items()} for role, m in mods[0].items()}
+        shared = {role: all(first[role][n] == t.data_ptr() for n, t in module.state_dict(keep_vars=True).items())
+                  for role, module in mods[1].items()}
+        assert shared == {"target": True, "draft": False, "draft_head": True}  # (the head: the target's tensor)
+        outs = [e.generate([[5, 6, 7, 8], [9, 10]], greedy(12)) for e in engines]
+        assert [o[0].token_ids for o in outs[0]] == [o[0].token_ids for o in outs[1]]
+
+        def packed(m, role):  # the dtypes of the packed copies a role's modules read
+            return {o.__dict__["_packed"][1].dtype for o in (x.__dict__.get(PACK_OWNER, x) for x in m[role].modules())
+                    if "_packed" in o.__dict__}
+        assert [packed(m, "draft") | packed(m, "draft_head") for m in mods] == [{torch.bfloat16}, {torch.int8}]
+        assert packed(mods[0], "target") == packed(mods[1], "target") == {torch.float32}
     finally:
         for e in engines:
             e.shutdown()

@@ -18,7 +18,7 @@ from tests.conftest import local_engine, tiny_config
     ("speculative.adaptive.estimator=magic", "speculative.adaptive.estimator='magic'"),
     ("speculative.adaptive.min_gain=-0.1", "speculative.adaptive.min_gain=-0.1 must be a fraction >= 0"),
     ("speculative.adaptive.batch_draft_margin=.nan", "speculative.adaptive.batch_draft_margin=nan must be a fraction"),
-    ("speculative.draft_weights=int8", "speculative.draft_weights='int8' is not one of: bfloat16, float32"),
+    ("speculative.draft_weights=int4", "speculative.draft_weights='int4' is not one of: bfloat16, int8, float32"),
     ("cache=[1, 2]", "cache: expected a mapping"),
     ("cache.kv_tokens=16", "cache.kv_tokens=16 is smaller than model.max_model_len"),
     ("parallel.executor=local", "parallel.executor=local runs one rank in the driver; parallel.tp_size=2"),

@@ -415,8 +415,34 @@ def test_bfloat16_panels_compute_in_float32_from_rounded_weights(ops):
     assert (full - F.linear(x, w, b)).abs().max() > 1e-3  # the rounding is there
     for rows in (slice(0, 1), slice(3, 11), slice(30, 37), slice(0, 6), slice(9, 17)):
         assert torch.equal(ops.packed_linear(x[rows].contiguous(), packed, 300, b), full[rows])
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
         ops.pack_linear_weight(w.half())
+
+
+@pytest.mark.parametrize("n,k", [(300, 256), (17, 5), (4096, 32)])
+def test_int8_panels_compute_in_float32_from_the_quantised_weights(ops, n, k):
+    """Weights packed as int8 (speculative.draft_weights=int8): each output is its row's scale
+    times the product with the quantised weights, plus the bias, for every tile height, and
+    batch-invariant like the other panels."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w[1] = 0.0  # a row of zeros: scale 1, all zero
+    q, scale = kernels.quantise_rows(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert (w - q.float() * scale[:, None]).abs().max() <= scale.max() / 2 + 1e-6  # rounded to the nearest step
+    packed, padded = kernels.pack(ops, w, torch.int8)
+    assert packed.dtype == torch.int8 and len(padded) % 16 == 0
+    x = torch.randn(37, k, generator=g)
+    full = ops.packed_linear(x, packed, n, b, padded)
+    torch.testing.assert_close(full, F.linear(x, q.float() * scale[:, None], b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ops.packed_linear(x, packed, n, None, padded), F.linear(x, q.float() * scale[:, None]),
+                               rtol=1e-4, atol=1e-4)
+    for rows in (slice(0, 1), slice(3, 11), slice(30, 37), slice(0, 4), slice(0, 6), slice(9, 17), slice(2, 14)):
+        assert torch.equal(ops.packed_linear(x[rows].contiguous(), packed, n, b, padded), full[rows])
+    with pytest.raises(RuntimeError, match="need their scales"):
+        ops.packed_linear(x, packed, n, b)
+    with pytest.raises(RuntimeError, match="only with int8"):
+        ops.packed_linear(x, ops.pack_linear_weight(w), n, b, padded)
 
 
 def test_pack_weights_as_moves_a_module_to_bfloat16_panels(ops):
@@ -436,5 +462,10 @@ def test_pack_weights_as_moves_a_module_to_bfloat16_panels(ops):
         assert not torch.equal(rounded, exact)
         kernels.pack_weights_as(layer, torch.float32)
         assert torch.equal(layer(x), exact)
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         kernels.pack_weights_as(layer, torch.float16)
+    with torch.no_grad():  # int8: the rows' quantised weights, scaled
+        kernels.pack_weights_as(layer, torch.int8)
+        q, scale = kernels.quantise_rows(layer.weight)
+        torch.testing.assert_close(layer(x), F.linear(x, q.float() * scale[:, None]), rtol=1e-4, atol=1e-4)
+        assert layer.weight.dtype == torch.float32

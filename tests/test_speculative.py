@@ -44,7 +44,7 @@ def test_greedy_equals_target_tp2(method, ray_session, sharegpt_prompts, referen
         engine.shutdown()
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "float32"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "float32"])
 def test_draft_weights_are_streamed_as_configured(weights, ops, sharegpt_prompts, reference):
     """speculative.draft_weights: the MTP layer and its own head pack their weights in that
     dtype, the target's stay float32 (the head's tensor shared, not copied), and greedy

@@ -26,6 +26,7 @@ from workers.proposer import DraftModelProposer, MTPProposer, Proposer
 from workers.runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PACKED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # speculative.draft_weights
 INIT_TIMEOUT = timedelta(minutes=5)
 
 
@@ -121,14 +122,14 @@ def build_runner(rank: int, tp: TPGroup, model: ModelConfig, spec: SpeculativeCo
         head = None if isinstance(mtp, DeepseekMTPLayer) else draft_head(target.lm_head)
         for module in (mtp, head):
             if module is not None:
-                kernels.pack_weights_as(module, DTYPES[spec.draft_weights])
+                kernels.pack_weights_as(module, PACKED[spec.draft_weights])
         proposer = MTPProposer(mtp, target, cache.num_blocks, cache.block_size, head)
     elif spec.enabled and spec.method == "draft_model":
         draft = load_causal_lm(model.draft, TPGroup(), dtype, device)  # small: replicated on every rank
         if draft.arch.vocab_size != target.arch.vocab_size:
             raise ValueError(f"model.draft vocab_size={draft.arch.vocab_size} differs from the target's "
                              f"{target.arch.vocab_size}; the draft must share the target's tokenizer")
-        kernels.pack_weights_as(draft, DTYPES[spec.draft_weights])
+        kernels.pack_weights_as(draft, PACKED[spec.draft_weights])
         proposer = DraftModelProposer(draft, cache.num_blocks, cache.block_size)
     # the controller's compiled decisions (models/csrc/one_row.cpp, many_rows.cpp, rank.cpp) run on the host
     # whatever the device: in plain Python a step's early stops and keep set took 0.25-1 ms at batch 8-256,

@@ -217,16 +217,19 @@ def group_engines(arms: list[str], schedule: str, make) -> dict:
 def share_engine_weights(engines: list) -> None:
     """Every engine reads one copy of each model (the first engine's that holds it), as one server
     would: stepped in turn, engines with copies of their own would each find the caches full of
-    the others' weights (models/share.py)."""
+    the others' weights (models/share.py). One copy per dtype the kernels stream it in: an arm whose
+    draft streams other weights (a variant's speculative.draft_weights) shares the target alone."""
+    from models.kernels import PACK_DTYPE
     from models.share import share_weights
 
-    held: dict[str, object] = {}
+    held: dict[tuple, object] = {}
     for engine in engines:
         for role, module in engine.workers.worker.runner.weight_modules().items():
-            if role in held:
-                share_weights(module, held[role])
+            key = (role, module.__dict__.get(PACK_DTYPE))
+            if key in held:
+                share_weights(module, held[key])
             else:
-                held[role] = module
+                held[key] = module
 
 
 def variant_overrides(arm: str) -> list[str]:

@@ -237,7 +237,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 // gemm.cpp
 torch::Tensor pack_linear_weight(const torch::Tensor& w);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias);
+                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale);
 
 // elementwise.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
@@ -264,8 +264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index", nogil());
   m.def("draft_top2", &draft_top2, "per row: the softmax's top token, its probability and the margin to the second", nogil());
   m.def("pack_linear_weight", &pack_linear_weight, "pack a linear weight into 16-wide panels", nogil());
-  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a packed W", nogil(), py::arg("x"), py::arg("packed"),
-        py::arg("n"), py::arg("bias") = py::none());
+  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a packed W (int8: and its scales)", nogil(),
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("scale") = py::none());
   m.def("cache_write", &cache_write, "write keys and values into the paged cache", nogil());
   m.def("paged_attention", &paged_attention, "attention of ragged queries over the paged cache", nogil());
   m.def("set_num_threads", &adaspec::set_num_threads, "threads of the kernels' pool, the caller's included", nogil());

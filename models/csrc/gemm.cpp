@@ -1,5 +1,6 @@
 // Small-batch float32 linear layers for the CPU: y (M, N) = x (M, K) @ W^T (+ bias), with W
-// packed once (float32, or bfloat16 for a draft's weights, widened in registers) into
+// packed once (float32; for a draft's weights bfloat16, widened in registers, or int8 with a
+// scale per output feature, applied once to each output) into
 // panels of 16 output features, (ceil(N / 16), K, 16): for each k, a panel's 16 weights are
 // one AVX-512 vector (two AVX2 ones), so a register tile of R rows x P panels takes one
 // broadcast per row and P * 16 / VL vector loads per k. Work is split over groups of P
@@ -22,6 +23,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include <immintrin.h>
 
 #include "vec_math.h"
 
@@ -36,21 +40,37 @@ constexpr int64_t ROWS = VL == 16 ? 4 : 6;    // rows per register tile
 constexpr int64_t WIDE_ROWS = VL == 16 ? 8 : 0;  // rows per tile of 2 panels past ROWS (none without AVX-512)
 constexpr int64_t SUB = LANES / VL;  // vectors per panel
 
-typedef uint16_t bf16v __attribute__((vector_size(VL * sizeof(uint16_t)), aligned(2), may_alias));
-typedef uint32_t u32v __attribute__((vector_size(VL * sizeof(uint32_t))));
 
 inline vec load(const float* p) { return adaspec::loadv(p); }
 
-// VL bfloat16 weights (their bits) as floats: a bfloat16 is the upper half of a float.
-inline vec load(const uint16_t* p) {
-  const u32v bits = __builtin_convertvector(*reinterpret_cast<const bf16v*>(p), u32v) << 16;
-  return (vec)bits;
+// VL int8 weights as floats (exact: every int8 is a float): sign-extended, then converted, one
+// instruction each. (GCC's generic vector conversion of 16 bytes made the kernel 5-7x slower.)
+inline vec load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
 }
 
-// Rows [0, R) of x against panels [0, P) starting at wp (float32 or bfloat16 weights, W);
+// VL bfloat16 weights (their bits) as floats: a bfloat16 is the upper half of a float (zero-extended
+// and shifted: one instruction each, as the generic vector conversion was not).
+inline vec load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+  return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#endif
+}
+
+// Rows [0, R) of x against panels [0, P) starting at wp (float32, bfloat16 or int8 weights, W);
 // columns beyond `cols` are dropped. Vector v of the tile covers columns v * VL .. v * VL + VL - 1.
+// int8 weights: each output is scale * (its sum over k of x * q) + bias, the scale the tile's
+// columns' (`scale`, padded to whole panels).
 template <int R, int P, typename W>
-void tile(const float* x, int64_t K, const W* wp, const float* bias, float* y, int64_t ldy, int64_t cols) {
+void tile(const float* x, int64_t K, const W* wp, const float* bias, const float* scale, float* y, int64_t ldy,
+          int64_t cols) {
+  constexpr bool QUANT = std::is_same_v<W, int8_t>;
   constexpr int V = P * SUB;  // vectors per row
   // acc must stay in registers: its loops are unrolled and its address is never taken (the
   // bias and the stores go through copies). GCC 12 kept an addressed acc on the stack, one
@@ -62,7 +82,7 @@ void tile(const float* x, int64_t K, const W* wp, const float* bias, float* y, i
     if (bias != nullptr) {
       for (int64_t l = 0; l < VL && v * VL + l < cols; ++l) lanes[l] = bias[v * VL + l];
     }
-    const vec b = load(lanes);
+    const vec b = QUANT ? vec{} : load(lanes);  // (int8: the bias is added after the scale)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][v] = b;
   }
@@ -77,13 +97,26 @@ void tile(const float* x, int64_t K, const W* wp, const float* bias, float* y, i
       for (int v = 0; v < V; ++v) acc[r][v] += xv * w[v];
     }
   }
+  [[maybe_unused]] vec sv[V], bv[V];
+  if constexpr (QUANT) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      float lanes[VL] = {};
+      if (bias != nullptr) {
+        for (int64_t l = 0; l < VL && v * VL + l < cols; ++l) lanes[l] = bias[v * VL + l];
+      }
+      sv[v] = load(scale + v * VL);
+      bv[v] = load(lanes);
+    }
+  }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) {
       const int64_t n = std::min<int64_t>(VL, cols - v * VL);
       if (n <= 0) break;
-      const vec out = acc[r][v];
+      vec out = acc[r][v];
+      if constexpr (QUANT) out = out * sv[v] + bv[v];
       if (n == VL) {
         adaspec::storev(y + r * ldy + v * VL, out);  // one vector store
       } else {
@@ -94,7 +127,7 @@ void tile(const float* x, int64_t K, const W* wp, const float* bias, float* y, i
 }
 
 template <typename W>
-using TileFn = void (*)(const float*, int64_t, const W*, const float*, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const W*, const float*, const float*, float*, int64_t, int64_t);
 
 template <int R, typename W>
 TileFn<W> tile_for_panels(int64_t p) {
@@ -147,8 +180,8 @@ TileFn<W> wide_fn(int64_t rows, int64_t panels) {
 }
 
 template <typename W>
-void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t N,
-                   int64_t np) {
+void linear_panels(const float* xp, const W* wp, const float* bp, const float* sp, float* yp, int64_t M, int64_t K,
+                   int64_t N, int64_t np) {
   const int64_t groups = (np + PANELS - 1) / PANELS;
   adaspec::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -161,15 +194,15 @@ void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int
           for (int64_t p = 0; p < panels; p += 2) {
             const int64_t c = col0 + p * LANES;
             wide_fn<W>(rows, std::min<int64_t>(2, panels - p))(xp + m * K, K, wp + (p0 + p) * K * LANES,
-                                                               bp ? bp + c : nullptr, yp + m * N + c, N,
-                                                               std::min(2 * LANES, cols - p * LANES));
+                                                               bp ? bp + c : nullptr, sp ? sp + c : nullptr,
+                                                               yp + m * N + c, N, std::min(2 * LANES, cols - p * LANES));
           }
         }
       }
       for (; m < M; m += ROWS) {
         const int64_t rows = std::min(ROWS, M - m);
-        tile_fn<W>(rows, panels)(xp + m * K, K, wp + p0 * K * LANES, bp ? bp + col0 : nullptr, yp + m * N + col0, N,
-                                 cols);
+        tile_fn<W>(rows, panels)(xp + m * K, K, wp + p0 * K * LANES, bp ? bp + col0 : nullptr,
+                                 sp ? sp + col0 : nullptr, yp + m * N + col0, N, cols);
       }
     }
   });
@@ -178,12 +211,14 @@ void linear_panels(const float* xp, const W* wp, const float* bp, float* yp, int
 }  // namespace
 
 // (N, K) weight -> (ceil(N / 16), K, 16) panels, zero-padded past N, of its dtype: float32,
-// or bfloat16 (half the bytes to stream; a draft model's weights, whose rounding changes only
-// which tokens are proposed, never what verification emits).
+// or bfloat16 or int8 (a half or a quarter of the bytes to stream; a draft model's weights, whose
+// rounding changes only which tokens are proposed, never what verification emits; int8 panels
+// hold a quantised weight, models/kernels.py quantise_rows, and take its scales).
 torch::Tensor pack_linear_weight(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16) &&
+  const auto type = w.scalar_type();
+  TORCH_CHECK(w.dim() == 2 && (type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kChar) &&
                   w.device().is_cpu(),
-              "weight must be a 2-D float32 or bfloat16 CPU tensor");
+              "weight must be a 2-D float32, bfloat16 or int8 CPU tensor");
   const int64_t N = w.size(0), K = w.size(1), np = (N + LANES - 1) / LANES;
   auto padded = torch::zeros({np * LANES, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
@@ -191,7 +226,7 @@ torch::Tensor pack_linear_weight(const torch::Tensor& w) {
 }
 
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias) {
+                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-D float32 CPU tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == LANES && packed.size(1) == x.size(1) && packed.is_contiguous(),
@@ -204,13 +239,24 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
     bp = bias->data_ptr<float>();
   }
   const int64_t M = x.size(0), K = x.size(1), np = packed.size(0);
+  const bool quantised = packed.scalar_type() == torch::kChar;
+  const bool scaled = scale.has_value() && scale->defined();
+  TORCH_CHECK(quantised == scaled, quantised ? "int8 packed weights need their scales"
+                                             : "scales go only with int8 packed weights");
+  if (scaled) {
+    TORCH_CHECK(scale->numel() == np * LANES && scale->is_contiguous() && scale->scalar_type() == torch::kFloat32,
+                "scale must be ceil(N/16) * 16 contiguous floats");
+  }
   auto y = torch::empty({M, N}, x.options());
-  if (packed.scalar_type() == torch::kBFloat16) {
+  if (quantised) {
+    linear_panels(x.data_ptr<float>(), packed.data_ptr<int8_t>(), bp, scale->data_ptr<float>(), y.data_ptr<float>(),
+                  M, K, N, np);
+  } else if (packed.scalar_type() == torch::kBFloat16) {
     linear_panels(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
-                  y.data_ptr<float>(), M, K, N, np);
+                  nullptr, y.data_ptr<float>(), M, K, N, np);
   } else {
-    TORCH_CHECK(packed.scalar_type() == torch::kFloat32, "packed weight must be float32 or bfloat16");
-    linear_panels(x.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, np);
+    TORCH_CHECK(packed.scalar_type() == torch::kFloat32, "packed weight must be float32, bfloat16 or int8");
+    linear_panels(x.data_ptr<float>(), packed.data_ptr<float>(), bp, nullptr, y.data_ptr<float>(), M, K, N, np);
   }
   return y;
 }
