@@ -37,8 +37,9 @@ class SpeculativeConfig:
     method: str = "mtp"  # one of METHODS
     num_speculative_tokens: int = 5  # k: draft tokens per sequence per step
     # the draft's linear weights as the CPU kernels stream them (one of DRAFT_WEIGHTS; float32 models only):
-    # bfloat16 reads half the bytes a draft step, and changes which tokens are proposed, never what is emitted
-    draft_weights: str = "bfloat16"
+    # int8 (a scale per output feature) reads a quarter of the bytes a draft step, bfloat16 half; either changes
+    # which tokens are proposed, never what is emitted (DESIGN.md section 8: int8 ran static-3 1.13x bfloat16's)
+    draft_weights: str = "int8"
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     @property
