@@ -40,7 +40,6 @@ constexpr int64_t ROWS = VL == 16 ? 4 : 6;    // rows per register tile
 constexpr int64_t WIDE_ROWS = VL == 16 ? 8 : 0;  // rows per tile of 2 panels past ROWS (none without AVX-512)
 constexpr int64_t SUB = LANES / VL;  // vectors per panel
 
-
 inline vec load(const float* p) { return adaspec::loadv(p); }
 
 // VL int8 weights as floats (exact: every int8 is a float): sign-extended, then converted, one
@@ -76,15 +75,17 @@ void tile(const float* x, int64_t K, const W* wp, const float* bias, const float
   // bias and the stores go through copies). GCC 12 kept an addressed acc on the stack, one
   // load and store per multiply-add: 10x slower.
   vec acc[R][V];
+  [[maybe_unused]] vec bv[V];  // int8: the bias, added after the scale
 #pragma GCC unroll 8
   for (int v = 0; v < V; ++v) {
     float lanes[VL] = {};
     if (bias != nullptr) {
       for (int64_t l = 0; l < VL && v * VL + l < cols; ++l) lanes[l] = bias[v * VL + l];
     }
-    const vec b = QUANT ? vec{} : load(lanes);  // (int8: the bias is added after the scale)
+    const vec b = load(lanes);
+    if constexpr (QUANT) bv[v] = b;
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][v] = b;
+    for (int r = 0; r < R; ++r) acc[r][v] = QUANT ? vec{} : b;
   }
   for (int64_t k = 0; k < K; ++k) {
     vec w[V];
@@ -97,17 +98,10 @@ void tile(const float* x, int64_t K, const W* wp, const float* bias, const float
       for (int v = 0; v < V; ++v) acc[r][v] += xv * w[v];
     }
   }
-  [[maybe_unused]] vec sv[V], bv[V];
+  [[maybe_unused]] vec sv[V];
   if constexpr (QUANT) {
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) {
-      float lanes[VL] = {};
-      if (bias != nullptr) {
-        for (int64_t l = 0; l < VL && v * VL + l < cols; ++l) lanes[l] = bias[v * VL + l];
-      }
-      sv[v] = load(scale + v * VL);
-      bv[v] = load(lanes);
-    }
+    for (int v = 0; v < V; ++v) sv[v] = load(scale + v * VL);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
