@@ -169,8 +169,9 @@ REFINE_ROUNDS = 4  # Dinkelbach rounds after the ratio order (context costs only
 
 def decide_scored(confidence, costs: StepCosts, min_gain: float, draft_ms: float,
                   max_keep: np.ndarray | list | None) -> tuple[np.ndarray | list[int], float]:
-    """The keep set in the ratio order (refine=False) and its score, Theta / (1 + min_gain)^kept:
-    the early stop compares the best it can do with and without another draft step."""
+    """The keep set in the ratio order (refine=False), its score, Theta / (1 + min_gain)^kept, and
+    its time (max(T, 1), units): the early stop compares the best it can do with and without
+    another draft step."""
     n = len(confidence)
     if n * len(confidence[0]) <= SMALL:
         conf = confidence if isinstance(confidence, list) else np.asarray(confidence).tolist()
@@ -198,7 +199,7 @@ def decide_paths(a: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: flo
     ctx = costs.ctx if costs.ctx is not None else np.array(costs.ctx_list, dtype=np.int64)
     head = draft_units(draft_ms) + costs.fixed + costs.ctx_sum
     if costs.uniform:
-        keep, _, score, *_ = rank_best(a, 0, 0, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
+        keep, _, score, e, t = rank_best(a, 0, 0, 0, 0, ctx, costs.f, head, costs.per_token, min_gain)
     else:
         live = int((a > 0).sum())
         s = max((int(costs.f[live]) - int(costs.f[0])) // max(live, 1), 1)
@@ -211,7 +212,7 @@ def decide_paths(a: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: flo
             if got[2] <= score:
                 break
             keep, _, score, e, t = got
-    return (keep, score) if scored else keep
+    return (keep, score, max(t, 1)) if scored else keep
 
 
 def decide_cols(cols: list[np.ndarray], cap: np.ndarray, costs: StepCosts, min_gain: float, draft_ms: float,
@@ -259,8 +260,8 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
     hot path at batch 1."""
     n, ctx = len(conf), costs.ctx_list
     if n == 1:
-        count, score = best_one(conf[0], costs, min_gain, draft_ms, None if max_keep is None else max_keep[0])
-        return ([count], score) if scored else [count]
+        count, score, t = best_one(conf[0], costs, min_gain, draft_ms, None if max_keep is None else max_keep[0], True)
+        return ([count], score, t) if scored else [count]
     cands = []  # (a, j, i)
     for i, row in enumerate(conf):
         acc = CONF_ONE
@@ -286,7 +287,7 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
         return ranked, count, score, *totals[count]
 
     if costs.uniform:
-        ranked, count, score, *_ = best_of(sorted(cands, key=lambda c: (-c[0], c[1], c[2])))
+        ranked, count, score, e, t = best_of(sorted(cands, key=lambda c: (-c[0], c[1], c[2])))
     else:
         s = max((f[len(cands)] - f[0]) // max(len(cands), 1), 1)
         ranked, count, score, e, t = best_of(sorted(cands, key=lambda c: (-((c[0] << RATIO_BITS) // (s + ctx[c[2]])),
@@ -302,32 +303,48 @@ def decide_small(conf: list[list[float]], costs: StepCosts, min_gain: float, dra
     keep = [0] * n
     for _, _, i in ranked[:count]:
         keep[i] += 1
-    return (keep, score) if scored else keep
+    return (keep, score, max(t, 1)) if scored else keep
 
 
 def best_one(conf: list[float], costs: StepCosts, min_gain: float, draft_ms: float,
-             max_keep: int | None) -> tuple[int, float]:
+             max_keep: int | None, totals: bool = False) -> tuple:
     """decide_small for a single sequence, whose path probabilities already fall with j (so
     the ranking is the drafts' order): the same arithmetic in one pass, without candidate
-    lists; the keep count and its score (Theta over (1 + min_gain)^count). At batch 1 the
-    decision runs once per draft step, and this path costs a third."""
+    lists; the keep count and its score (Theta over (1 + min_gain)^count), and with totals the
+    kept prefix's time as well (max(T, 1), in units). At batch 1 the decision runs once per
+    draft step, and this path costs a third."""
     f, o, ctx = costs.f_list, costs.per_token, costs.ctx_list[0]
     t = draft_units(draft_ms) + costs.fixed + costs.ctx_sum
     e = acc = CONF_ONE
-    best, count = e / max(t + f[0] + ((o * e) >> CONF_BITS), 1), 0
+    total = best_total = max(t + f[0] + ((o * e) >> CONF_BITS), 1)
+    best, count = e / total, 0
     scale, divisor = 1.0 + min_gain, 1.0  # as _best_prefix: prefix m scores Theta_m / (1 + g)^m
     for m, c in enumerate(conf if max_keep is None else conf[:max_keep], 1):
         acc = (acc * min(max(int(round(c * CONF_ONE)), 0), CONF_ONE)) >> CONF_BITS
         if acc <= 0:
             break
         e, t = e + acc, t + ctx
-        theta = e / max(t + f[m] + ((o * e) >> CONF_BITS), 1)
+        total = max(t + f[m] + ((o * e) >> CONF_BITS), 1)
+        theta = e / total
         if min_gain:
             divisor *= scale
             theta /= divisor
         if theta > best:  # ties keep the shorter prefix
-            best, count = theta, m
-    return count, best
+            best, count, best_total = theta, m, total
+    return (count, best, best_total) if totals else (count, best)
+
+
+def rate_units(rate_ms: float) -> float:
+    """A throughput in tokens per ms as the decision's (CONF_ONE tokens per time unit)."""
+    return rate_ms * CONF_ONE / UNITS_PER_MS
+
+
+def beats_at_rate(go: float, go_t: int, stop: float, stop_t: int, lam: float) -> bool:
+    """Is the keep set scoring go (Theta over (1 + min_gain)^count) in time go_t (units, at least 1)
+    worth more than the one scoring stop in stop_t, at lam tokens per unit (rate_units)? Each is
+    worth its expected tokens less lam times its time, E - lam T = T (Theta - lam): a subtraction
+    and a product, which no compiler fuses (models/csrc keeps the same order)."""
+    return (go - lam) * go_t > (stop - lam) * stop_t
 
 
 if __name__ == "__main__":  # python -m controller.decision: the decision's cost per call

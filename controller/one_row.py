@@ -18,7 +18,7 @@ one is the reference, and the fallback where the kernels do not load.
 """
 from __future__ import annotations
 
-from controller.decision import CONF_BITS, CONF_ONE, StepCosts
+from controller.decision import CONF_BITS, CONF_ONE, StepCosts, beats_at_rate
 from controller.estimators import logistic_estimate
 from controller.time_model import UNITS_PER_MS
 
@@ -40,6 +40,7 @@ class OneRow:
         self.top = self.margin = None  # watched buffers (watch), or a step's rows of the slab (begin's row)
         self.slab = None  # (top, margin) columns the steps beginning at a row of them draft into (watch_slab)
         self.budget_terms = None  # set_budget's
+        self.by_rate, self.lam = False, -1.0  # the early stop at the budget's rate (set_budget, begin), or at Theta
         self.restart(costs.ctx_list[0], costs.fixed + costs.ctx_sum, cap)
 
     def restart(self, ctx: int, fixed: int, cap: int) -> None:
@@ -54,13 +55,14 @@ class OneRow:
         self.closed = False  # a path probability reached 0, or the cap: no longer prefix counts
 
     def set_budget(self, b2: float, base: float, fixed: int, terms: list[list[tuple]], scale: float,
-                   units_per_ms: float = UNITS_PER_MS) -> None:
+                   units_per_ms: float = UNITS_PER_MS, by_rate: bool = False) -> None:
         """The draft budget's terms at batch 1 (StepTerms.budget_terms): b2, the time model's
         context coefficient; base, the time of a plain step without its context term; fixed, the
         step's fixed time terms in units (StepCosts.fixed); terms[k], the budget's (m, expected,
-        time, verified) for m = 1..k; scale, 1 + min_gain; units_per_ms, time units per ms."""
+        time, verified) for m = 1..k; scale, 1 + min_gain; units_per_ms, time units per ms; by_rate:
+        each step's early stop weighs time at the throughput its budget expects (controller/early_stop.py)."""
         self.b2, self.base, self.fixed0, self.budget_terms, self.budget_scale = b2, base, fixed, terms, scale
-        self.units_per_ms = units_per_ms
+        self.units_per_ms, self.by_rate = units_per_ms, by_rate
 
     def begin(self, kv: int, cap: int, k: int, row: int = -1) -> int:
         """A new step (restart) for a sequence of context length kv that may verify `cap`
@@ -82,6 +84,7 @@ class OneRow:
             theta = expected / (fixed + verified * kv_ms)
             if theta > best * self.budget_scale:
                 best_m, best = m, theta
+        self.lam = best * CONF_ONE / self.units_per_ms if self.by_rate else -1.0  # decision.rate_units
         return best_m
 
     def add(self, c: float) -> None:
@@ -149,9 +152,11 @@ class OneRow:
         """Drafts to verify of the m drafted."""
         return self.best(self.draft_units[m], m)[0]
 
+    def _total(self, m: int, d: int) -> int:
+        return max(self.t[m] + d + self.f[m] + ((self.o * self.e[m]) >> CONF_BITS), 1)
+
     def _theta(self, m: int, d: int) -> float:
-        e = self.e[m]
-        theta = e / max(self.t[m] + d + self.f[m] + ((self.o * e) >> CONF_BITS), 1)
+        theta = self.e[m] / self._total(m, d)
         return theta / self.div[m] if self.min_gain else theta
 
     def best(self, d: int, upto: int) -> tuple[int, float]:
@@ -167,7 +172,8 @@ class OneRow:
     def worth_drafting(self, d_stop: int, d_go: int, rate: float) -> bool:
         """After the drafts added so far (j), is draft j+1 worth drafting, it taken at `rate`?
         worth_drafting's batch-1 answer: the best prefix with it must be it (j+1 drafts, at
-        draft time d_go) and beat the best prefix without it (at d_stop)."""
+        draft time d_go) and beat the best prefix without it (at d_stop): by Theta, or at the
+        budget's rate where begin set one (as early_stop.worth_drafting at batch 1)."""
         j = self.drafts
         if self.closed or j + 1 > self.cap:
             return False
@@ -175,9 +181,16 @@ class OneRow:
         if acc <= 0:
             return False
         e = self.e[j] + acc
-        go = e / max(self.t[j] + self.ctx + d_go + self.f[j + 1] + ((self.o * e) >> CONF_BITS), 1)
+        go_t = max(self.t[j] + self.ctx + d_go + self.f[j + 1] + ((self.o * e) >> CONF_BITS), 1)
+        go = e / go_t
         if self.min_gain:
             go /= self.div[j] * self.scale
+        if self.lam >= 0:
+            for m in range(j + 1):  # the best prefix with it is it ...
+                if go <= self._theta(m, d_go):
+                    return False
+            m, stop = self.best(d_stop, j)  # ... and worth more than the best without it
+            return beats_at_rate(go, go_t, stop, self._total(m, d_stop), self.lam)
         for m in range(j + 1):
             if go <= self._theta(m, d_stop) or (d_go < d_stop and go <= self._theta(m, d_go)):
                 return False

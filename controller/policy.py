@@ -333,7 +333,8 @@ class SpecPolicy:
             one.set_terms([draft_units(tm.draft_ms(1, j)) for j in range(extra + 2)], rates)
             base = self.terms.budget_terms(tm, 1, 1, at=at)[0]
             terms = [[]] + [self.terms.budget_terms(tm, 1, k, at=at)[1] for k in range(1, extra + 1)]
-            one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS)
+            one.set_budget(tm.b2, base, costs.fixed, terms, 1.0 + self.cfg.adaptive.min_gain, UNITS_PER_MS,
+                           self.cfg.adaptive.early_stop_at_rate)
             one.watch_slab(self.draft_slab[0], self.draft_slab[1])
             held = self._one_row[at] = (tm, extra, one)
         return held[2]

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from controller.decision import (CONF_BITS, REFINE_ROUNDS, SMALL, StepCosts, decide_cols, decide_small, decide_with,
-                                 quantize, step_costs)
+                                 quantize, rate_units, step_costs)
 from controller.early_stop import worth_drafting, worth_drafting_paths
-from controller.terms import best_budget
+from controller.terms import best_budget_rate
 from controller.time_model import TimeModel
 
 EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verifies everything drafted
@@ -34,7 +34,8 @@ class SpecStep:
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
                  "rows", "costs", "rule_keep", "drafted", "conf", "_paths", "_hg", "_many",
-                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup", "level", "wants")
+                 "_caps", "max_keep_list", "kmax", "best_m", "budget", "kv_total", "catchup", "level", "wants",
+                 "lam")
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None,
@@ -61,6 +62,7 @@ class SpecStep:
         self._many = None  # a large batch (logistic estimate, compiled): its ManyRows, which reads the draft buffers
         self._set_caps(max_keep)
         self.best_m = k  # the budget's own choice (adaptive), before a probe's or the early stop's extra position
+        self.lam = None  # adaptive: the early stop's rate, the budget's expected throughput (None: Theta's)
         self.wants = 0  # ... and before its rows' catch-up is priced (adaptive; catchup.DraftStretches)
         self.budget = self._budget(k) if mode == "adaptive" and k else k
         if self.budget and mode == "adaptive" and not probe and policy.probes.plain_due(model.plain_measured):
@@ -119,14 +121,17 @@ class SpecStep:
         kv_ms = tm.b2 * float(total)
         base, terms = policy.terms.budget_terms(tm, n, k, at=self.level)
         scale, enter = 1.0 + policy.cfg.adaptive.min_gain, policy.terms.enter(n)
-        best_m = self.wants = best_budget(base, terms, kv_ms, scale, enter=enter)
+        best_m, rate = best_budget_rate(base, terms, kv_ms, scale, enter=enter)
+        self.wants = best_m
         if best_m and self.catchup is not None:
             # rows behind by more than a steady step: each token the step emits them pays its share of
             # their catch-up (controller/catchup.py; expected: tokens per row); asked only where it would draft
             per_token = tm.catchup_ms * self.catchup(k)
             if per_token > 0.0:
-                best_m = best_budget(base, terms, kv_ms, scale, per_token, enter)
+                best_m, rate = best_budget_rate(base, terms, kv_ms, scale, per_token, enter)
         self.best_m = best_m
+        if policy.cfg.adaptive.early_stop_at_rate:  # the budget's rate is a sequence's: the batch's is n times it
+            self.lam = rate_units(n * rate)
         if self.probe:
             return min(k, best_m + 1)
         # one position of headroom: the early stop, which sees each step's drafts, decides on it
@@ -150,9 +155,10 @@ class SpecStep:
         if not isinstance(cols[0], list):  # large batch: each position's path probabilities quantised once
             return worth_drafting_paths(self._path_cols(j), self._costs(), self.policy.cfg.adaptive.min_gain,
                                         self._draft_ms(j), self._draft_ms(j + 1), self.policy.next_rates[j],
-                                        self.max_keep, self.policy.compiled)
+                                        self.max_keep, self.policy.compiled, self.lam)
         return worth_drafting(cols, self._costs(), self.policy.cfg.adaptive.min_gain, self._draft_ms(j),
-                              self._draft_ms(j + 1), self.policy.rates_at(self.level)[j], self.max_keep_list)
+                              self._draft_ms(j + 1), self.policy.rates_at(self.level)[j], self.max_keep_list,
+                              self.lam)
 
     def draft_inputs(self, budget: int):
         """Where the draft loop writes its (3, budget, n) confidence inputs (top probability, margin,
@@ -193,7 +199,8 @@ class SpecStep:
         self._many = compiled.ManyRows(self.max_keep, self.kv, self.model.b2, f, fixed,
                                        policy.terms.draft_unit_list(self.model, len(self.kv), self.budget + 2),
                                        policy.next_rates, per_token, adaptive.min_gain, REFINE_ROUNDS,
-                                       policy.compiled_weights(), top_prob, margin)
+                                       policy.compiled_weights(), top_prob, margin,
+                                       -1.0 if self.lam is None else self.lam)
         return self._many
 
     # ------------------------------------------------------------------ keep

@@ -147,14 +147,21 @@ class StepTerms:
 
 def best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0,
                 enter: float = 1.0) -> int:
+    return best_budget_rate(base, terms, kv_ms, scale, per_token, enter)[0]
+
+
+def best_budget_rate(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0,
+                     enter: float = 1.0) -> tuple[int, float]:
     """The draft budget's argmax over m = 0..k (StepTerms.budget_terms' base and terms, the
     batch's context cost kv_ms, scale = 1 + min_gain), each token a row emits costing per_token
     ms more where the step drafts (its rows' catch-up); ties keep the smaller m. A budget m > 0
-    must beat the plain step by the factor enter (StepTerms.enter) as well."""
+    must beat the plain step by the factor enter (StepTerms.enter) as well. best_budget_rate
+    also gives the chosen budget's estimated throughput (a sequence's tokens per ms): the rate the early stop
+    weighs a draft step's time at (controller/early_stop.py)."""
     best_m, best = 0, enter / (base + kv_ms)
     for m, expected, fixed, verified in terms:
         cost = fixed + verified * kv_ms
         theta = expected / (cost + expected * per_token if per_token else cost)
         if theta > best * scale:
             best_m, best = m, theta
-    return best_m
+    return best_m, best

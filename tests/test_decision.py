@@ -148,23 +148,28 @@ def test_one_sequence_path_equals_vectorised_path(row, b0, b1, b2, o1, draft_ms,
 @given(row=st.integers(1, 7).flatmap(lambda k: st.lists(st.floats(0, 1), min_size=k, max_size=k)),
        b0=st.floats(0.1, 20), b1=st.floats(0.001, 5), b2=st.floats(0, 0.01), o1=st.floats(0, 1),
        d_first=st.floats(0, 3), g=st.floats(0, 3), min_gain=st.sampled_from([0.0, 0.01, 0.1]),
-       kv=st.integers(1, 500), cap=st.integers(0, 7), rate=st.floats(0, 1))
-@example(row=[1.0], b0=1.0, b1=1.0, b2=0.0, o1=0.0, d_first=2.0, g=0.0, min_gain=0.1, kv=1, cap=2, rate=0.5)
+       kv=st.integers(1, 500), cap=st.integers(0, 7), rate=st.floats(0, 1),
+       lam=st.one_of(st.none(), st.floats(0, 2)))
+@example(row=[1.0], b0=1.0, b1=1.0, b2=0.0, o1=0.0, d_first=2.0, g=0.0, min_gain=0.1, kv=1, cap=2, rate=0.5,
+         lam=None)
 def test_one_row_built_up_a_draft_at_a_time_decides_as_best_one(row, b0, b1, b2, o1, d_first, g, min_gain, kv,
-                                                               cap, rate):
+                                                               cap, rate, lam):
     """OneRow (batch 1, prefixes added as drafts arrive) answers the early stop and the keep
-    rule exactly as worth_drafting and best_one do, after every draft."""
+    rule exactly as worth_drafting and best_one do, after every draft; the early stop at a
+    rate lam (as begin sets it) or at Theta (None)."""
     from controller.decision import best_one, draft_units
     from controller.early_stop import worth_drafting
     from controller.one_row import OneRow
 
     costs = step_costs(TimeModel(b0=b0, b1=b1, b2=b2, o1=o1), [kv], len(row) + 1)  # (the draft after the last)
     one = OneRow(costs, min_gain, cap)
+    one.lam = -1.0 if lam is None else lam
     draft_ms = [d_first + j * g if j else 0.0 for j in range(len(row) + 2)]
     for j, c in enumerate(row, 1):
         one.add(c)
         assert one.best(draft_units(draft_ms[j]), j) == best_one(row[:j], costs, min_gain, draft_ms[j], cap)
-        expected = worth_drafting([[x] for x in row[:j]], costs, min_gain, draft_ms[j], draft_ms[j + 1], rate, [cap])
+        expected = worth_drafting([[x] for x in row[:j]], costs, min_gain, draft_ms[j], draft_ms[j + 1], rate, [cap],
+                                  lam)
         assert one.worth_drafting(draft_units(draft_ms[j]), draft_units(draft_ms[j + 1]), rate) == expected
 
 
@@ -257,11 +262,13 @@ def test_a_tie_keeps_the_shorter_prefix():
 def test_early_stop_from_kept_path_probabilities_equals_the_rule():
     """A large batch's early stop reads the path probabilities its step quantised once per
     position (worth_drafting_paths): the same answer as worth_drafting from the estimates,
-    on random batches, context costs, caps and min_gain, drafting paying and not."""
+    on random batches, context costs, caps and min_gain, drafting paying and not, at Theta and
+    at a rate near the step's own."""
+    from controller.decision import decide_scored
     from controller.early_stop import worth_drafting, worth_drafting_paths
 
     rng = np.random.default_rng(7)
-    answers = []
+    answers, rated = [], []
     for _ in range(300):
         n, j = int(rng.integers(16, 70)), int(rng.integers(1, 7))
         tm = TimeModel(1, b0=float(rng.uniform(1, 5)), b1=float(rng.uniform(0.001, 0.2)),
@@ -273,10 +280,15 @@ def test_early_stop_from_kept_path_probabilities_equals_the_rule():
         go_ms = stop_ms + float(rng.choice([0.001, 0.05, 0.5]))
         min_gain = float(rng.choice([0.0, 0.01]))
         paths = path_probs(quantize(conf))
-        got = worth_drafting_paths([paths[:, c] for c in range(j)], costs, min_gain, stop_ms, go_ms, rate, cap)
-        assert got == worth_drafting([conf[:, c] for c in range(j)], costs, min_gain, stop_ms, go_ms, rate, cap)
+        lam = None if rng.random() < 0.5 else decide_scored(conf, costs, min_gain, stop_ms, cap)[1] * rng.uniform(0.6, 1)
+        got = worth_drafting_paths([paths[:, c] for c in range(j)], costs, min_gain, stop_ms, go_ms, rate, cap,
+                                   lam=lam)
+        assert got == worth_drafting([conf[:, c] for c in range(j)], costs, min_gain, stop_ms, go_ms, rate, cap, lam)
         answers.append(got)
+        if lam is not None:
+            rated.append(got)
     assert 10 < sum(answers) < 290, sum(answers)  # both answers were reached (24 True here)
+    assert 5 < sum(rated) < len(rated) - 5, sum(rated)  # ... at a rate too
 
 
 def test_compiled_ranking_is_the_numpy_one_bit_for_bit(ops):
@@ -309,7 +321,7 @@ def test_the_rule_and_the_early_stop_decide_the_same_compiled(ops):
     from controller.early_stop import worth_drafting_paths
 
     rng = np.random.default_rng(11)
-    answers = []
+    answers, rated = [], []
     for _ in range(200):
         n, j = int(rng.integers(16, 260)), int(rng.integers(1, 8))
         tm = TimeModel(1, b0=float(rng.uniform(1, 5)), b1=float(rng.uniform(0.001, 0.2)),
@@ -322,9 +334,14 @@ def test_the_rule_and_the_early_stop_decide_the_same_compiled(ops):
         assert np.array_equal(decide_cols(cols, cap, costs, min_gain, 0.5, ops), decide_paths(a, costs, min_gain, 0.5))
         go_ms = 0.3 + float(rng.choice([0.001, 0.05, 0.5]))
         args = ([paths[:, c] for c in range(j)], costs, min_gain, 0.3, go_ms, float(rng.uniform(0.3, 1.0)), cap)
-        answers.append(worth_drafting_paths(*args))
-        assert worth_drafting_paths(*args, compiled=ops) == answers[-1]
+        # at Theta, and at a rate near the step's own (the early stop's default)
+        lam = None if rng.random() < 0.5 else decide_paths(a, costs, min_gain, 0.3, False, True)[1] * rng.uniform(0.6, 1)
+        answers.append(worth_drafting_paths(*args, lam=lam))
+        assert worth_drafting_paths(*args, compiled=ops, lam=lam) == answers[-1]
+        if lam is not None:
+            rated.append(answers[-1])
     assert 5 <= sum(answers) <= 195, sum(answers)  # both answers were reached (10 True here)
+    assert 3 <= sum(rated) <= len(rated) - 3, sum(rated)  # ... at a rate too
 
 
 def test_compiled_path_columns_are_path_probs(ops):

@@ -13,7 +13,7 @@ from controller.decision import draft_units, quantize, step_costs
 from controller.estimators import logistic_estimate
 from controller.one_row import OneRow, new_one_row
 from controller.policy import SpecPolicy
-from controller.time_model import TimeModel
+from controller.time_model import UNITS_PER_MS, TimeModel
 
 
 def test_logistic_estimate_is_the_same_double(ops):
@@ -46,7 +46,7 @@ def test_compiled_one_row_decides_as_the_python_one(ops):
     buffers): after every draft the early stop's answer and the keep set with its score are
     equal."""
     rng = np.random.default_rng(1)
-    answers = []
+    answers, rated = [], []
     for _ in range(600):
         k = int(rng.integers(1, 8))
         costs, cap = _random_costs(rng, k), int(rng.integers(0, 8))
@@ -60,10 +60,17 @@ def test_compiled_one_row_decides_as_the_python_one(ops):
         ref = OneRow(costs, min_gain, cap, weights)
         told = OneRow(costs, min_gain, cap, weights)  # next_at's reference: told each draft by next
         restart = rng.random() < 0.5  # a later step of the same time model: all restarted
+        # ... or begun, its early stop at the budget's rate (by_rate: begin sets the rate)
+        by_rate = restart and rng.random() < 0.5
+        base = float(rng.uniform(0.5, 3))
+        terms = [[]] + [[(1, float(rng.uniform(1, 3)), float(rng.uniform(0.5, 4)), 1.0)] for _ in range(k)]
         ctx, cap = int(rng.integers(0, 300)), int(rng.integers(0, 8))
         inputs = np.zeros((2, k, 1))  # the draft loop's buffers, filled a row per draft
         for one in (mine, ref, told):
-            if restart:
+            if by_rate:
+                one.set_budget(1e-3, base, costs.fixed, terms, 1.0, UNITS_PER_MS, True)
+                one.begin(ctx, cap, k)
+            elif restart:
                 one.add(0.5)
                 one.restart(ctx, costs.fixed + ctx, cap)
             one.set_terms(draft, rates)
@@ -85,7 +92,9 @@ def test_compiled_one_row_decides_as_the_python_one(ops):
             assert mine.drafts == ref.drafts == j
             assert mine.best(draft[j], j) == ref.best(draft[j], j)
             assert mine.keep(j) == ref.keep(j) == ref.best(draft[j], j)[0]
+        rated.append(by_rate and ref.lam > 0)
     assert 50 < sum(answers) < len(answers) - 50  # both answers were reached
+    assert 100 < sum(rated) < len(rated) - 100  # at the budget's rate and at Theta
 
 
 def test_keep_at_reads_the_drafts_not_yet_added_from_the_watched_buffers(ops):
@@ -281,16 +290,18 @@ def test_a_column_of_logistic_estimates_is_the_same_doubles(ops):
         assert ops.logistic_column(w, p, m).tolist() == want
 
 
+@pytest.mark.parametrize("at_rate", [True, False])
 @pytest.mark.parametrize("dtype,b2,n", [(np.float64, 1e-6, 40), (np.float64, 2e-5, 40), (np.float32, 1e-6, 40),
                                         (np.float64, 2e-5, 2), (np.float64, 1e-6, 5), (np.float64, 2e-5, 9)])
-def test_a_batch_decides_the_same_compiled_and_not(ops, dtype, b2, n):
+def test_a_batch_decides_the_same_compiled_and_not(ops, dtype, b2, n, at_rate):
     """Adaptive-7 at batch n over 60 steps of random drafts, one policy with the kernels and
     one without: the same budgets, early-stop answers and keep sets every step. float64
     buffers, as the draft loop's: the compiled policy decides in its ManyRows (from batch 2:
     below 64 candidates the one without decides in plain Python); float32: in the kernels'
     functions one by one, with Python between them. b2: the context's cost, which the keep
-    set's Dinkelbach rounds weigh."""
-    cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True))
+    set's Dinkelbach rounds weigh; at_rate: the early stop at the budget's rate, or at Theta."""
+    cfg = SpeculativeConfig(num_speculative_tokens=7,
+                            adaptive=AdaptiveConfig(enabled=True, early_stop_at_rate=at_rate))
     policies = [SpecPolicy(cfg, compiled=c) for c in (ops, None)]
     for policy in policies:  # drafting pays at this batch size: the step drafts and decides
         policy.install(TimeModel(version=1, b0=8.0, b1=0.01, b2=b2, d0=0.3, d1=0.001, o0=0.3))

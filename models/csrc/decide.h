@@ -36,7 +36,20 @@ struct Costs {
   int64_t f_len, per_token;
   double min_gain;
   bool uniform;
+  double lam = -1.0;  // the early stop's rate (tokens per time unit, controller/early_stop.py); < 0: Theta's
 };
+
+// controller/decision.py's beats_at_rate: a keep set of score go in go_t (units, at least 1)
+// against one of score stop in stop_t, each worth T (Theta - lam), in that order of operations.
+#if defined(__clang__)
+inline bool beats_at_rate(double go, int64_t go_t, double stop, int64_t stop_t, double lam) {
+#pragma clang fp contract(off)
+#else
+__attribute__((optimize("fp-contract=off"))) inline bool beats_at_rate(double go, int64_t go_t, double stop,
+                                                                        int64_t stop_t, double lam) {
+#endif
+  return (go - lam) * double(go_t) > (stop - lam) * double(stop_t);
+}
 
 // controller/decision.py's decide_cols on columns (rank.cpp); first: its first ranking, where
 // already made (worth_drafting_on's stop on the same columns and head), else null.

@@ -34,10 +34,11 @@ class ManyRows {
   // b2 kv in time units, rounded half to even (decision.py's step_costs). fixed: the step's
   // fixed time terms in units (StepCosts.fixed); draft[m]: the draft time of m draft steps
   // in units, m = 0..budget + 1. rates[j]: position j's conditional acceptance for a draft
-  // not yet made (the early stop's guess).
+  // not yet made (the early stop's guess). lam: the early stop's rate (rank.cpp's Costs), < 0: Theta's.
   ManyRows(I64 cap, I64 kv, double b2, I64 f, int64_t fixed, const std::vector<int64_t>& draft,
            const std::vector<double>& rates, int64_t per_token, double min_gain, int rounds,
-           std::shared_ptr<LogisticWeights> weights, py::array_t<double> top, py::array_t<double> margin)
+           std::shared_ptr<LogisticWeights> weights, py::array_t<double> top, py::array_t<double> margin,
+           double lam = -1.0)
       : n_(cap.size()), cap_(cap.data(), cap.data() + cap.size()), f_(f.data(), f.data() + f.size()), rounds_(rounds),
         weights_(std::move(weights)), top_(std::move(top)), margin_(std::move(margin)) {
     if (kv.size() != n_) throw py::value_error("ManyRows: cap and kv must hold one value per sequence");
@@ -58,7 +59,7 @@ class ManyRows {
     const bool uniform = n_ == 0 || std::all_of(ctx_.begin(), ctx_.end(), [&](int64_t c) { return c == ctx_[0]; });
     for (int64_t d : draft) heads_.push_back(d + fixed + sum);
     for (double r : rates) rates_q_.push_back(quantize_estimate(r));
-    costs_ = Costs{ctx_.data(), f_.data(), int64_t(f_.size()), per_token, min_gain, uniform};
+    costs_ = Costs{ctx_.data(), f_.data(), int64_t(f_.size()), per_token, min_gain, uniform, lam};
   }
 
   // After j drafts: is draft j + 1 worth drafting?
@@ -136,10 +137,10 @@ class ManyRows {
 void bind_many_rows(py::module& m) {
   py::class_<ManyRows>(m, "ManyRows", "a large batch's early stop and keep set on the logistic estimate")
       .def(py::init<I64, I64, double, I64, int64_t, const std::vector<int64_t>&, const std::vector<double>&, int64_t,
-                    double, int, std::shared_ptr<LogisticWeights>, py::array_t<double>, py::array_t<double>>(),
+                    double, int, std::shared_ptr<LogisticWeights>, py::array_t<double>, py::array_t<double>, double>(),
            py::arg("cap"), py::arg("kv"), py::arg("b2"), py::arg("f"), py::arg("fixed"), py::arg("draft"),
            py::arg("rates"), py::arg("per_token"), py::arg("min_gain"), py::arg("rounds"), py::arg("weights"),
-           py::arg("top").noconvert(), py::arg("margin").noconvert())
+           py::arg("top").noconvert(), py::arg("margin").noconvert(), py::arg("lam") = -1.0)
       .def("next_at", &ManyRows::next_at, py::arg("j"))
       .def("keep_explored", &ManyRows::keep_explored, py::arg("m"), py::arg("first"), py::arg("every"))
       .def_property_readonly("drafts", &ManyRows::drafts)

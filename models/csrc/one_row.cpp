@@ -78,9 +78,9 @@ class OneRow {
   // The draft budget's terms at batch 1 (controller/one_row.py, set_budget): terms[k] holds
   // (m, expected, time, verified) for m = 1..k.
   void set_budget(double b2, double base, int64_t fixed, std::vector<std::vector<Term>> terms, double scale,
-                  double units_per_ms) {
+                  double units_per_ms, bool by_rate) {
     b2_ = b2, base_ = base, fixed0_ = fixed, terms_ = std::move(terms), budget_scale_ = scale;
-    units_per_ms_ = units_per_ms;
+    units_per_ms_ = units_per_ms, by_rate_ = by_rate;
     has_budget_ = true;
   }
 
@@ -99,7 +99,9 @@ class OneRow {
     const double kv_ms = b2_ * double(kv);
     const int64_t ctx = int64_t(std::nearbyint(kv_ms * units_per_ms_));
     restart(ctx, fixed0_ + ctx, cap);
-    return best_budget(terms_[size_t(k)], kv_ms);
+    const auto [best_m, best] = best_budget(terms_[size_t(k)], kv_ms);
+    lam_ = by_rate_ ? best * double(CONF_ONE) / units_per_ms_ : -1.0;  // decision.rate_units
+    return best_m;
   }
 
   // A new step of the same time model and logistic weights: no prefix but the empty one.
@@ -151,8 +153,15 @@ class OneRow {
     const int64_t acc = (acc_ * quantize(rate)) >> CONF_BITS;
     if (acc <= 0) return false;
     const int64_t e = e_.at(size_t(j)) + acc;
-    double go = double(e) / double(std::max<int64_t>(t_[j] + ctx_ + d_go + f_.at(size_t(j + 1)) + ((o_ * e) >> CONF_BITS), 1));
+    const int64_t go_t = std::max<int64_t>(t_[j] + ctx_ + d_go + f_.at(size_t(j + 1)) + ((o_ * e) >> CONF_BITS), 1);
+    double go = double(e) / double(go_t);
     if (min_gain_ != 0.0) go /= div_[j] * scale_;
+    if (lam_ >= 0) {  // the best prefix with it is it, and worth more at the budget's rate than the best without it
+      for (int64_t m = 0; m <= j; ++m)
+        if (go <= theta(m, d_go)) return false;
+      const auto [m, stop] = best(d_stop, j);
+      return beats_at_rate(go, go_t, stop, total(m, d_stop), lam_);
+    }
     for (int64_t m = 0; m <= j; ++m) {
       if (go <= theta(m, d_stop) || (d_go < d_stop && go <= theta(m, d_go))) return false;
     }
@@ -208,10 +217,11 @@ class OneRow {
 
  private:
 #if defined(__clang__)
-  int64_t best_budget(const std::vector<Term>& terms, double kv_ms) const {
+  std::pair<int64_t, double> best_budget(const std::vector<Term>& terms, double kv_ms) const {
 #pragma clang fp contract(off)
 #else
-  __attribute__((optimize("fp-contract=off"))) int64_t best_budget(const std::vector<Term>& terms, double kv_ms) const {
+  __attribute__((optimize("fp-contract=off"))) std::pair<int64_t, double> best_budget(const std::vector<Term>& terms,
+                                                                                    double kv_ms) const {
 #endif
     int64_t best_m = 0;
     double best = 1.0 / (base_ + kv_ms);
@@ -219,12 +229,15 @@ class OneRow {
       const double theta = expected / (fixed + verified * kv_ms);
       if (theta > best * budget_scale_) best_m = m, best = theta;
     }
-    return best_m;
+    return {best_m, best};
+  }
+
+  int64_t total(int64_t m, int64_t d) const {
+    return std::max<int64_t>(t_[m] + d + f_.at(size_t(m)) + ((o_ * e_[m]) >> CONF_BITS), 1);
   }
 
   double theta(int64_t m, int64_t d) const {
-    const int64_t e = e_[m];
-    const double th = double(e) / double(std::max<int64_t>(t_[m] + d + f_.at(size_t(m)) + ((o_ * e) >> CONF_BITS), 1));
+    const double th = double(e_[m]) / double(total(m, d));
     return min_gain_ != 0.0 ? th / div_[m] : th;
   }
 
@@ -254,7 +267,8 @@ class OneRow {
   double b2_ = 0.0, base_ = 0.0, budget_scale_ = 1.0, units_per_ms_ = 0.0;  // set_budget's
   int64_t fixed0_ = 0;
   std::vector<std::vector<Term>> terms_;
-  bool has_budget_ = false;
+  bool has_budget_ = false, by_rate_ = false;
+  double lam_ = -1.0;  // begin's: the early stop's rate (tokens per time unit), < 0: Theta's
 };
 
 }  // namespace
@@ -285,7 +299,7 @@ void bind_one_row(py::module& m) {
            py::arg("weights") = nullptr)
       .def("restart", &OneRow::restart, py::arg("ctx"), py::arg("fixed"), py::arg("cap"))
       .def("set_budget", &OneRow::set_budget, py::arg("b2"), py::arg("base"), py::arg("fixed"), py::arg("terms"),
-           py::arg("scale"), py::arg("units_per_ms"))
+           py::arg("scale"), py::arg("units_per_ms"), py::arg("by_rate") = false)
       .def("begin", &OneRow::begin, py::arg("kv"), py::arg("cap"), py::arg("k"), py::arg("row") = -1)
       .def("add", &OneRow::add)
       .def("add_logistic", &OneRow::add_logistic)

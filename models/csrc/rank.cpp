@@ -219,10 +219,10 @@ py::tuple decide_cols(const std::vector<I64>& cols, I64 cap, I64 ctx, I64 f, int
 }
 
 bool worth_drafting(const std::vector<I64>& cols, I64 cap, int64_t rate_q, I64 ctx, I64 f, int64_t head_stop,
-                    int64_t head_go, int64_t per_token, double min_gain, bool uniform) {
+                    int64_t head_go, int64_t per_token, double min_gain, bool uniform, double lam) {
   const int64_t n = cap.size();
   if (cols.empty() || ctx.size() != n) throw py::value_error("cols, cap and ctx must describe the same sequences");
-  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform};
+  const Costs c{ctx.data(), f.data(), int64_t(f.size()), per_token, min_gain, uniform, lam};
   return worth_drafting_on(column_pointers(cols, n), n, cap.data(), rate_q, c, head_stop, head_go, nullptr);
 }
 
@@ -249,7 +249,8 @@ Ranked decide_cols_on(const Cols& cols, int64_t n, const int64_t* caps, const Co
 
 // controller/early_stop.py's worth_drafting_paths: cols, the j drafted positions' path
 // probabilities before the caps; the next position at rate_q; the best keep set with it (at
-// head_go) must keep a draft past j and beat the best without it (at head_stop). stop: where
+// head_go) must keep a draft past j and beat the best without it (at head_stop): by Theta, or
+// at the rate c.lam where that is set (beats_at_rate). stop: where
 // given, receives the ranking without it when one was made (decide_cols_on's first at head_stop).
 bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t rate_q, const Costs& c,
                        int64_t head_stop, int64_t head_go, std::optional<Ranked>* stop) {
@@ -261,7 +262,9 @@ bool worth_drafting_on(const Cols& cols, int64_t n, const int64_t* caps, int64_t
   if (*std::max_element(go.keep.begin(), go.keep.end()) <= j) return false;
   a.resize(size_t(j * n));  // j-major: the first j positions
   Ranked without = rank_ratio(a, n, j, c.uniform, c.ctx, c.f, c.f_len, head_stop, c.per_token, c.min_gain);
-  const bool more = go.score > without.score;
+  const bool more = c.lam < 0 ? go.score > without.score
+                              : beats_at_rate(go.score, std::max<int64_t>(go.t, 1), without.score,
+                                              std::max<int64_t>(without.t, 1), c.lam);
   if (stop) *stop = std::move(without);
   return more;
 }
@@ -291,5 +294,5 @@ void bind_rank(py::module& m) {
         py::arg("uniform"), py::arg("rounds"));
   m.def("worth_drafting", &worth_drafting, "a large batch's early stop (controller/early_stop.py)", py::arg("cols"),
         py::arg("cap"), py::arg("rate_q"), py::arg("ctx"), py::arg("f"), py::arg("head_stop"), py::arg("head_go"),
-        py::arg("per_token"), py::arg("min_gain"), py::arg("uniform"));
+        py::arg("per_token"), py::arg("min_gain"), py::arg("uniform"), py::arg("lam") = -1.0);
 }
