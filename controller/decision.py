@@ -168,7 +168,7 @@ REFINE_ROUNDS = 4  # Dinkelbach rounds after the ratio order (context costs only
 
 
 def decide_scored(confidence, costs: StepCosts, min_gain: float, draft_ms: float,
-                  max_keep: np.ndarray | list | None) -> tuple[np.ndarray | list[int], float]:
+                  max_keep: np.ndarray | list | None) -> tuple[np.ndarray | list[int], float, int]:
     """The keep set in the ratio order (refine=False), its score, Theta / (1 + min_gain)^kept, and
     its time (max(T, 1), units): the early stop compares the best it can do with and without
     another draft step."""

@@ -3,7 +3,7 @@ kept while that model is in use (steps repeat a batch size far more often than a
 changes), the draft budget's also until the next calibration batch moves the shares they are
 weighted with (`forget_budget`). SpecPolicy owns one (`SpecPolicy.terms`) and reads it in
 begin_step (the cold start's `could_pay`, `stand_down_at`) and for batch 1's OneRow; SpecStep
-reads it for the budget (`best_budget`), the early stop and the keep decision (controller/step.py)."""
+reads it for the budget (`best_budget_rate`), the early stop and the keep decision (controller/step.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -143,11 +143,6 @@ class StepTerms:
         at = max(at, 0.0) if np.isfinite(at) else float(at)
         self._budget_cache[key] = (tm, at)
         return at
-
-
-def best_budget(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0,
-                enter: float = 1.0) -> int:
-    return best_budget_rate(base, terms, kv_ms, scale, per_token, enter)[0]
 
 
 def best_budget_rate(base: float, terms: list[tuple], kv_ms: float, scale: float, per_token: float = 0.0,

@@ -240,10 +240,10 @@ def test_a_batch_drafts_only_past_its_margin_and_batch_1_is_untouched():
     """batch_draft_margin: from two sequences on, a budget must beat the plain step's estimated
     throughput by that fraction; where it drafts with the margin it drafts without it, and as a
     draft step grows dearer the margin stands the batch down first. Batch 1 ignores it."""
-    from controller.terms import best_budget
+    from controller.terms import best_budget_rate
 
     # one draft step: 1.5 tokens for 1.45 ms against a plain step's 1 token in 1 ms (3.4% better)
-    assert [best_budget(1.0, [(1, 1.5, 1.45, 1.5)], 0.0, 1.0, enter=e) for e in (1.0, 1.03, 1.05)] == [1, 1, 0]
+    assert [best_budget_rate(1.0, [(1, 1.5, 1.45, 1.5)], 0.0, 1.0, enter=e)[0] for e in (1.0, 1.03, 1.05)] == [1, 1, 0]
     plain, margin = _policy(batch_draft_margin=0.0), _policy(batch_draft_margin=0.1)
     for policy in (plain, margin):
         _teach(policy, 0.7)
