@@ -214,17 +214,8 @@ class SpecPolicy:
                     return one
             if k and (n > 1 or not self.seq_history):
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
-                # past the context where no draft budget beats a plain step: one, without the budget's loop (at
-                # batch 1 once its OneRow said 0, and before the rows' catch-up, which only makes drafting dearer;
-                # not with seq_history, where the next step's sequence may stand at another level), held for the
-                # next steps of this batch size
-                start = None if probe else self.terms.stand_down_at(model, n, k)
-                if start is not None and model.b2 * float(total) >= start:
-                    step = PlainStep(self, model, kv, max_keep, k)
-                    if not cold:  # (a cold start's steps may probe at any step)
-                        down = self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n),
-                                                          self.terms.could_pay(model, n, k))
-                        down.step = step
+                step = None if probe else self._stand_down(model, kv, max_keep, version, k, total, cold)
+                if step is not None:
                     return step
             if one is not None:
                 return one
@@ -232,6 +223,41 @@ class SpecPolicy:
             catchup, at = None, 0
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,
                         catchup=catchup, level=at)
+
+    def _stand_down(self, model: TimeModel, kv, max_keep, version: int, k: int, total: int, cold: bool):
+        """decide_step's PlainStep past the context where no draft budget beats a plain step, without the
+        budget's loop (at batch 1 once its OneRow said 0, and before the rows' catch-up, which only makes
+        drafting dearer; not with seq_history, where the next step's sequence may stand at another
+        level), held for the next steps of this batch size (held_plain); else None. total: sum(kv)."""
+        n = len(kv)
+        start = self.terms.stand_down_at(model, n, k)
+        if start is None or model.b2 * float(total) < start:
+            return None
+        step = PlainStep(self, model, kv, max_keep, k)
+        if not cold:  # (a cold start's steps may probe at any step)
+            down = self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n),
+                                              self.terms.could_pay(model, n, k))
+            down.step = step
+        return step
+
+    def begin_alone(self, kv: list, max_keep: list, version: int, k: int) -> SpecStep:
+        """begin_step for the runner's usual step of one sequence: adaptive, k > 0, its row no further
+        behind than a steady step (no catch-up to price) and no record to read (seq_history off). The
+        same step, decision for decision (tests/test_one_row_step.py), in fewer calls where the cold
+        start is over and no stand-down is held: between two forward passes, which leave the caches
+        cold, held_plain, the runner's catch-up check and decide_step had cost such a step 14 us (median)."""
+        if self.cold_alone or not self.one_row_steps or 1 in self._downs:
+            return self.begin_step("adaptive", kv, max_keep, version, k)
+        model = self.models.get(version) if version == self.in_use else None
+        if model is None:
+            model = self.model(version)
+        self.adaptive_steps += 1
+        probe = self.probes.due(1, allowed=lambda: self.terms.could_pay(model, 1, k))
+        one = OneRowStep(self, probe, kv, max_keep, model, k)
+        if one.best_m or probe:
+            return one
+        held = self._stand_down(model, kv, max_keep, version, k, kv[0], False)
+        return one if held is None else held
 
     def held_plain(self, kv, max_keep, version: int, k: int):
         """begin_step's fast path for an adaptive step, which the runner asks first: the step's PlainStep

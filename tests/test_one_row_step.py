@@ -17,12 +17,17 @@ COSTLY = dict(b0=1.0, b1=0.5, d0=0.9, d1=0.0)
 
 
 def _drive(policy: SpecPolicy, step_no: int, version: int, kv: int, cap: int, k: int, top, margin, hits,
-           record=None, lend: bool = True):
+           record=None, lend: bool = True, alone: bool = False):
     """One adaptive batch-1 step in the runner's order; what it decided (and, last, the drafts
     it verified and accepted). lend: the draft loop writes where the step says (draft_inputs:
     a OneRowStep's rows of the policy's draft slab), as the runner's does; else into buffers
-    of its own."""
-    step = policy.begin_step("adaptive", [kv], [cap], version, k, record=record)
+    of its own. alone: begun as the runner begins a step of one sequence with nothing to catch
+    up on (begin_alone), else by begin_step."""
+    if alone:
+        assert record is None
+        step = policy.begin_alone([kv], [cap], version, k)
+    else:
+        step = policy.begin_step("adaptive", [kv], [cap], version, k, record=record)
     budget = step.budget
     answers, m = [], 0
     if budget:
@@ -86,6 +91,39 @@ def test_one_row_steps_decide_as_the_general_step(ops, compiled, lend, monkeypat
     assert any(False in g[5] for g in seen) and any(True in g[5] for g in seen)  # both early-stop answers
     assert any(g[7] is not None and g[6][0] > g[7][0] for g in seen)  # exploration verified past the rule
     assert min(g[8] for g in seen) < 0 < max(g[8] for g in seen)  # records below and above the pooled rate
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_begin_alone_begins_the_step_begin_step_would(ops, compiled, monkeypatch):
+    """The runner's entry for a step of one sequence (begin_alone) against begin_step on two
+    policies alike, 600 steps: the same kind of step, budgets, early-stop answers, keep sets and
+    rule choices, through the cold start (which begin_alone hands to begin_step), probes, plain
+    probes, caps below k, the stand-down begin_step holds (held_plain) where drafting stops
+    paying, and no probes where it could not pay were every draft accepted."""
+    monkeypatch.setattr("controller.policy.ALONE_COLD_TRIALS", 64)
+    cfg = SpeculativeConfig(num_speculative_tokens=7, adaptive=AdaptiveConfig(enabled=True))
+    fast, slow = (SpecPolicy(cfg, compiled=ops if compiled else None) for _ in range(2))
+    for policy in (fast, slow):
+        # drafting pays, stops paying, pays again, then could not pay were every draft accepted
+        for version, terms in ((1, PAYS), (2, COSTLY), (3, PAYS), (4, COSTLY | dict(d0=9.0))):
+            policy.install(TimeModel(version=version, **terms))
+        policy.probes.plain_every = 16
+    rng = np.random.default_rng(11)
+    seen = []
+    for s in range(800):
+        version = 1 + s // 200
+        kv, cap = 100 + 5 * s, int(rng.choice([7, 7, 7, 5, 2]))
+        top = rng.beta(3.0, 1.5, 7)[:, None]
+        margin = top * rng.uniform(0.2, 1.0, (7, 1))
+        hits = rng.random(7) < top[:, 0]
+        got = [_drive(p, s, version, kv, cap, 7, top, margin, hits, alone=p is fast) for p in (fast, slow)]
+        assert got[0] == got[1], (s, got)
+        seen.append(got[0])
+    assert fast.logistic.weights == slow.logistic.weights and fast.adaptive_steps == slow.adaptive_steps
+    kinds = {g[0] for g in seen}
+    assert kinds == {"OneRowStep", "PlainStep"}  # drafting steps, and held stand-downs
+    assert any(g[3] for g in seen[100:]) and any(not g[3] and g[1] == 0 and g[2] > 0 for g in seen)  # probes, plain ones
+    assert any(False in g[5] for g in seen) and any(True in g[5] for g in seen)
 
 
 def test_a_step_of_one_sequence_is_a_one_row_step_only_on_the_logistic_estimate():

@@ -149,9 +149,13 @@ class ModelRunner:
         max_keep = [p.num_spec for p in plan.seqs]
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
-        # standing down as the step before did: the policy's held answer, asked first (nothing to build for it)
-        step = self.policy.held_plain(kv, max_keep, plan.time_model_version, k) if k and plan.mode == "adaptive" \
-            else None
+        step = None
+        if k and plan.mode == "adaptive":
+            if len(seqs) == 1 and not self.policy.seq_history and _behind(seqs[0]) <= k + 1:
+                # batch 1's usual step: no catch-up to price, no record to hand (one call)
+                step = self.policy.begin_alone(kv, max_keep, plan.time_model_version, k)
+            else:  # standing down as the step before did: the policy's held answer, asked first
+                step = self.policy.held_plain(kv, max_keep, plan.time_model_version, k)
         if step is None:
             step = self.policy.decide_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
                                            _catchup(seqs, plan, k, self.stretches) if k and plan.mode == "adaptive"
