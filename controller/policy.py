@@ -50,13 +50,38 @@ def probe_price(step: SpecStep, catchup_tokens: int) -> float:
     step's (catchup_tokens: all its rows'), and a drafting step's rest. A stand-down probe drafts
     for one row, which first catches up on all it emitted standing down: in the tail of a
     batch-capped round (4-15 sequences) 150-280 tokens, about 18 ms against a 4.3 ms step."""
-    tm, n = step.model, len(step.kv)
-    rows = n if step.rows is None else len(step.rows)
+    n = len(step.kv)
     total = sum(step.kv_list) if step.kv_list is not None else int(step.kv.sum())
+    return _price(step.model, n, total, n if step.rows is None else len(step.rows), step.budget, catchup_tokens)
+
+
+def stand_down_price(tm: TimeModel, n: int, total: int, lag: int) -> float:
+    """probe_price of a stand-down probe of n sequences (summed context total) were it run now: one
+    row drafting one position, first catching up on `lag` tokens (RowsBehind.least_lag: the row it
+    would draft for). What the probe schedule waits on before a bucket's probe (ProbeSchedule.due's
+    `price`), its first one included."""
+    return _price(tm, n, total, 1, 1, lag)
+
+
+def _price(tm: TimeModel, n: int, total: int, rows: int, steps: int, catchup_tokens: int) -> float:
     plain = tm.validate_ms_from(n, total) + tm.other_ms(n)
-    extra = (tm.draft_ms(rows, step.budget) + tm.drafting_extra_ms(rows)
+    extra = (tm.draft_ms(rows, steps) + tm.drafting_extra_ms(rows)
              + tm.catchup_ms * max(catchup_tokens - SWEEP_CATCHUP * rows, 0))
     return extra / plain if plain > 0.0 else 1.0
+
+
+class _Memo:
+    """A callable's answer, computed on the first call."""
+
+    __slots__ = ("f", "value")
+
+    def __init__(self, f):
+        self.f, self.value = f, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.f()
+        return self.value
 
 
 class SpecPolicy:
@@ -141,7 +166,8 @@ class SpecPolicy:
         are cold); k: drafts the step may make (0: none); oracle: (n, k)
         reference tokens after the last emitted one (-1 past the end), oracle mode only;
         catchup: None, or a callable k -> the rows' catch-up past a steady step's per token
-        they may still emit (catchup.switch_cost), asked only where it may change the budget;
+        they may still emit (catchup.switch_cost), asked only where it may change the budget, whose
+        `cheapest(start)` may also name the row a stand-down probe drafts for (the runner's RowsBehind);
         record: a batch-1 step's sequence's draft record (hits, trials; controller/history.py),
         whose level shifts the rates its budget and early stop expect (None, or seq_history off:
         the pooled rates).
@@ -200,9 +226,16 @@ class SpecPolicy:
             # cold start)
             learning = cold and k > 0 and (n > 1 or catchup is None) and self.terms.could_pay(model, n, k)
             # where no acceptance rate could make drafting pay, a probe could learn nothing the budget reads (but
-            # for the first drafts that end a cold start: DESIGN.md section 8, probes); asked only where one is due
-            probe = self.probes.due(n, cold=learning,
-                                    allowed=None if cold else lambda: k > 0 and self.terms.could_pay(model, n, k))
+            # for the first drafts that end a cold start: DESIGN.md section 8, probes); asked only where one is due.
+            # From two sequences on a probe also waits on what it would cost (its row's catch-up): stand_down_price
+            price = None
+            if n > 1 and k and hasattr(catchup, "least_lag"):
+                total = sum(kv) if isinstance(kv, list) else int(kv.sum())
+                lag = catchup.least_lag
+                price = _Memo(lambda: stand_down_price(model, n, total, lag()))
+            probe = self.probes.due(n, cold=learning, allowed=None if cold else lambda: k > 0 and
+                                    self.terms.could_pay(model, n, k), price=price)
+            cheapest = getattr(catchup, "cheapest", None)  # (the row a stand-down probe drafts for)
             if catchup is not None and not (model.catchup_ms and k):
                 catchup = None  # nothing to price
             at = level_in(*record, self.pooled_rate, self._bounds) if n == 1 and record and self.seq_history else 0
@@ -213,30 +246,35 @@ class SpecPolicy:
                 if one.best_m or probe or self.seq_history:
                     return one
             if k and (n > 1 or not self.seq_history):
-                total = sum(kv) if isinstance(kv, list) else int(kv.sum())
-                step = None if probe else self._stand_down(model, kv, max_keep, version, k, total, cold)
+                if total is None:
+                    total = sum(kv) if isinstance(kv, list) else int(kv.sum())
+                step = None if probe else self._stand_down(model, kv, max_keep, version, k, total, cold, price)
                 if step is not None:
                     return step
             if one is not None:
                 return one
         else:
-            catchup, at = None, 0
+            catchup = cheapest = None
+            at = 0
         return SpecStep(self, mode, probe, kv, max_keep, model, oracle, k, cold_start=learning, kv_total=total,
-                        catchup=catchup, level=at)
+                        catchup=catchup, level=at, cheapest=cheapest)
 
-    def _stand_down(self, model: TimeModel, kv, max_keep, version: int, k: int, total: int, cold: bool):
+    def _stand_down(self, model: TimeModel, kv, max_keep, version: int, k: int, total: int, cold: bool,
+                    price=None):
         """decide_step's PlainStep past the context where no draft budget beats a plain step, without the
         budget's loop (at batch 1 once its OneRow said 0, and before the rows' catch-up, which only makes
         drafting dearer; not with seq_history, where the next step's sequence may stand at another
-        level), held for the next steps of this batch size (held_plain); else None. total: sum(kv)."""
+        level), held for the next steps of this batch size (held_plain); else None. total: sum(kv);
+        price: the probe schedule's (ProbeSchedule.due), which the held stand-down's next probe waits on."""
         n = len(kv)
         start = self.terms.stand_down_at(model, n, k)
         if start is None or model.b2 * float(total) < start:
             return None
         step = PlainStep(self, model, kv, max_keep, k)
         if not cold:  # (a cold start's steps may probe at any step)
-            down = self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n),
-                                              self.terms.could_pay(model, n, k))
+            pays = self.terms.could_pay(model, n, k)
+            down = self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n), pays,
+                                              price() if pays and price is not None else 1.0)
             down.step = step
         return step
 

@@ -36,7 +36,12 @@ every round or two. Beside an engine backing off by doubling alone (nospec, both
 after 2, batch capped at 32): 2-4 probes in the measured rounds against 6-7, 0.9967 / 0.9941
 of plain decoding against 0.9919 / 0.9900. Deferring a probe until its row is less far behind
 would starve batch 1, whose one row is always far behind after standing down; the price only
-stretches the interval the probe sets, so the next one still comes. Batch 1 is not priced:
+stretches the interval the probe sets, so the next one still comes. From two sequences on, a
+probe also waits `base` times what it would cost if run now (`due`'s price: its row's catch-up,
+policy.stand_down_price), so a bucket's first probe, which no earlier price had stretched, keeps
+to the same share; and its row is the one cheapest to catch up (SpecStep's rows: in a steady
+flow of requests a young row, which costs a draft step, where the row in turn had caught up on
+hundreds of tokens). Batch 1 is not priced:
 there drafting pays most, and a served engine that had stood batch 1 down probed it every 608
 of its steps priced (its row 280 tokens behind, 9.5 plain steps) where doubling alone gave 64.
 
@@ -101,18 +106,28 @@ class ProbeSchedule:
         self.plain = 0  # plain probes
         self.plain_every = PLAIN_EVERY
 
-    def due(self, n: int, cold: bool = False, allowed=None) -> bool:
+    def due(self, n: int, cold: bool = False, allowed=None, price=None) -> bool:
         """Does the next adaptive step, of n sequences, probe? (Counted as one if so.)
         cold: it does (a cold start's probe), and the schedule starts from it; allowed: None, or
         a callable asked where the schedule would probe, whose False (no acceptance rate could
         make drafting pay: StepTerms.could_pay) says it does not, however long since the last
-        (its step is counted all the same)."""
+        (its step is counted all the same); price: None, or a callable asked there too, what the
+        probe would cost now beyond a plain step, in plain steps (policy.stand_down_price): it
+        also waits `base` times that since the last (`next_at`)."""
         b = batch_bucket(n)
         step = self.steps[b] = self.steps[b] + 1
-        if not cold and (step - self.last[b] < self.every[b] or (allowed is not None and not allowed())):
-            return False
+        if not cold:
+            since = step - self.last[b]
+            if since < self.every[b] or (allowed is not None and not allowed()):
+                return False
+            if price is not None and since < self.base[b] * price():
+                return False
         self.last[b], self.probes = step, self.probes + 1
         return True
+
+    def next_at(self, bucket: int, price: float = 1.0) -> float:
+        """The bucket's step count at which `due` next says True, a probe costing `price` then."""
+        return self.last[bucket] + max(self.every[bucket], self.base[bucket] * price)
 
     def plain_due(self, measured: bool = True) -> bool:
         """An adaptive step that would draft (no probe): does it run plain? (Counted if so.) The last

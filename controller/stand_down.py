@@ -33,14 +33,16 @@ class StandDown:
 
     __slots__ = ("version", "k", "b2", "start", "counts", "bucket", "probe_at", "model", "step")
 
-    def __init__(self, version: int, model, k: int, start: float, probes, bucket: int, may_probe: bool = True):
+    def __init__(self, version: int, model, k: int, start: float, probes, bucket: int, may_probe: bool = True,
+                 price: float = 1.0):
         """may_probe: False where no probe is ever due at these terms (drafting could not pay
-        were every draft accepted: ProbeSchedule.due's `allowed`)."""
+        were every draft accepted: ProbeSchedule.due's `allowed`); price: what a probe would cost now
+        (ProbeSchedule.due's `price`)."""
         self.version, self.model, self.k = version, model, k
         self.b2, self.start = model.b2, start
         self.counts, self.bucket = probes.steps, bucket
         # ProbeSchedule.due's first True
-        self.probe_at = probes.last[bucket] + probes.every[bucket] if may_probe else float("inf")
+        self.probe_at = probes.next_at(bucket, price) if may_probe else float("inf")
         self.step: PlainStep | None = None  # the PlainStep each of its steps is handed (SpecPolicy.held_plain)
 
 

@@ -26,10 +26,12 @@ EXPLORE_EVERY = 8  # at every adaptive step, every 8th sequence (rotating) verif
 class SpecStep:
     """mode: static | adaptive | oracle. probe: this adaptive step explores one draft position
     past what the budget found worth drafting. rows: at a probe where drafting does not pay
-    at all, one sequence drafts, a different one at each such probe, and exploration verifies
+    at all, one sequence drafts, and exploration verifies
     it (each row that drafts first catches up on every position since it last drafted: at
     batch 32 a probe's four explored rows had caught up on 500-600 tokens, 10-16 ms); None:
-    every one."""
+    every one. That row is the one cheapest to catch up where the runner says (cheapest:
+    start -> that row, the first of equals from row start on; its RowsBehind's), start a row
+    that turns with the probes; else the row that turns."""
 
     # slots: a batch-1 step's few microseconds of Python touch fewer cache lines than a dict's
     __slots__ = ("policy", "mode", "probe", "kv", "model", "oracle", "cold_start", "kv_list", "_first", "_explore",
@@ -39,7 +41,7 @@ class SpecStep:
 
     def __init__(self, policy, mode: str, probe: bool, kv, max_keep, model: TimeModel,
                  oracle: np.ndarray | None, k: int, cold_start: bool = False, kv_total: int | None = None,
-                 catchup=None, level: int = 0):
+                 catchup=None, level: int = 0, cheapest=None):
         self.policy, self.mode, self.probe, self.model, self.oracle = policy, mode, probe, model, oracle
         self.catchup = catchup  # SpecPolicy.begin_step's: the rows' catch-up the budget prices (None: none)
         self.cold_start = cold_start  # a probe because the calibrators are cold (SpecPolicy.begin_step): no back-off
@@ -68,7 +70,8 @@ class SpecStep:
         if self.budget and mode == "adaptive" and not probe and policy.probes.plain_due(model.plain_measured):
             self.budget = 0  # a plain probe (controller/probes.py): what a plain step's rest costs here
         if mode == "adaptive" and probe and self.best_m == 0 and self.budget:  # a stand-down probe
-            self.rows = self._explore = [policy.probes.probes % n]  # one row, in turn (see rows above)
+            start = policy.probes.probes % n  # one row (see rows above)
+            self.rows = self._explore = [start if cheapest is None else cheapest(start)]
             caps = np.zeros_like(self.max_keep)
             caps[self.rows] = self.max_keep[self.rows]
             self._set_caps(caps)

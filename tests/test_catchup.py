@@ -250,6 +250,11 @@ def test_the_runner_and_the_scheduler_say_how_far_behind_each_row_is_and_what_it
     rows[0].prompt_len = 20  # a prompt the draft never saw is not counted: only what the row emitted since
     assert _catchup(rows, step, 3)(3) == pytest.approx((10 - 4) / 29)
     assert _catchup(rows[1:], StepPlan(1, step.seqs[1:], decode=True), 3) is None  # one row, steady: not asked
+    # the row a stand-down probe drafts for: least to catch up on, its prompt's included (what its draft runs over)
+    behind = _catchup(rows, step, 3)
+    assert behind.least_lag() == 1 and behind.cheapest(0) == 1
+    rows.append(SeqState(2, list(range(12)), [], draft_len=11))  # as cheap: the first from the turning row on
+    assert [_catchup(rows, step, 3).cheapest(start) for start in range(3)] == [1, 1, 2]
 
 
 def test_a_new_sequence_is_behind_by_what_it_emitted_not_by_its_prompt():

@@ -639,6 +639,77 @@ def test_a_stand_down_probe_drafts_for_one_row_in_turn():
     assert sorted(probed) == list(range(n))  # every row in turn
 
 
+class _Behind:
+    """The runner's RowsBehind (workers/runner.py) over given lags: no switch to price (0), the
+    rows' tokens to catch up on, `cheapest` and `least_lag` as the runner's."""
+
+    def __init__(self, lags):
+        self.lags = lags
+
+    def __call__(self, k):
+        return 0.0
+
+    def least_lag(self):
+        return min(self.lags)
+
+    def cheapest(self, start):
+        n = len(self.lags)
+        return min(range(n), key=lambda i: (self.lags[i], (i - start) % n))
+
+
+def test_a_stand_down_probe_drafts_for_the_row_cheapest_to_catch_up():
+    """Where the runner says what each row would catch up on, a stand-down probe drafts for the
+    row that has least (a batch in a steady flow of requests has young rows: a probe on one costs
+    a draft step, on an old one a catch-up of hundreds of tokens), the first from the turning row
+    on among equals."""
+    policy, n = _policy(), 8
+    _teach(policy, 0.02)
+    policy.install(TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0))
+    lags = [300, 40, 250, 40, 500, 7, 7, 90]
+    picked = []
+    for _ in range(n):
+        policy.probes.last = [-10**6] * len(policy.probes.last)  # the next step probes
+        step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1, 4, catchup=_Behind(lags))
+        turn = policy.probes.probes % n  # (this probe counted)
+        assert step.probe and step.best_m == 0 and step.budget == 1
+        picked.append((turn, step.rows))
+    assert sorted(turn for turn, _ in picked) == list(range(n))
+    assert all(rows == ([6] if turn == 6 else [5]) for turn, rows in picked), picked
+
+
+def test_a_probe_waits_on_what_it_would_cost_its_first_one_included():
+    """From two sequences on, a bucket's probe also waits `base` times what it would cost now beyond
+    a plain step (policy.stand_down_price: its row's catch-up at the time model's catchup_ms): the
+    bucket's first probe, which no earlier probe's price had stretched, waits 32 steps for a row no
+    further behind than a steady step and about 32 * 6.3 for one 300 tokens behind; standing down
+    meanwhile, the held stand-down names that step (no step in between goes the full way)."""
+    n = 16
+    model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0, catchup_ms=0.1)
+    plain = 5.0 + 0.1 * n
+    for lag, price in ((2, 0.05 / plain), (300, (0.05 + 0.1 * 298) / plain)):
+        policy = _policy()
+        policy.probes.plain_every = 10**9
+        _teach(policy, 0.02)
+        policy.install(model)
+        full, decide = [], policy.decide_step
+
+        def counted(*args, **kwargs):
+            full.append(policy.probes.steps[batch_bucket(n)])
+            return decide(*args, **kwargs)
+
+        policy.decide_step = counted
+        policy.probes.last = [0] * len(policy.probes.last)  # the first probe waits from step 0
+        probed = None
+        for step_no in range(1, 400):
+            step = policy.begin_step("adaptive", np.full(n, 100), np.full(n, 4), 1, 4, catchup=_Behind([lag] * n))
+            if step.probe:
+                probed = step_no
+                break
+            policy.end_plain_step(step)
+        assert probed == max(PROBE_EVERY, math.ceil(PROBE_EVERY * price))
+        assert len(full) <= 3  # the first, the held one's probe step, the probe
+
+
 def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it():
     """At batch 1 (its OneRow decides) exploration falls on the one sequence every
     EXPLORE_EVERY-th adaptive step: that step verifies every draft made, whatever the rule

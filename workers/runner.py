@@ -294,15 +294,40 @@ def _rounded(a: np.ndarray) -> list[list[float]]:
 
 
 def _catchup(seqs: list[SeqState], plan: StepPlan, k: int, stretches: DraftStretches | None = None):
-    """For decide_step: k -> the rows' catch-up past a steady step's per token left, or per token
-    drafting is expected to last where that is fewer (stretches.horizon(); catchup.switch_cost),
-    counted from where the draft last ran or the prompt ends, whichever is later (controller/catchup.py),
-    computed only if asked; None for one sequence no further behind than a steady step (batch 1's usual
-    step, where its OneRow decides)."""
+    """For decide_step: the rows' catch-up (RowsBehind); None for one sequence no further behind
+    than a steady step (batch 1's usual step, where its OneRow decides)."""
     if len(seqs) == 1 and _behind(seqs[0]) <= k + 1:
         return None
-    return lambda k: switch_cost([_behind(s) for s in seqs], [p.left for p in plan.seqs], k,
-                                 stretches.horizon() if stretches is not None else None)
+    return RowsBehind(seqs, plan, stretches)
+
+
+class RowsBehind:
+    """A step's rows' catch-up, computed only if asked: called with k, the rows' catch-up past a
+    steady step's per token left, or per token drafting is expected to last where that is fewer
+    (stretches.horizon(); catchup.switch_cost), counted from where the draft last ran or the
+    prompt ends, whichever is later (controller/catchup.py); `cheapest`, the row a stand-down
+    probe drafts for, and `least_lag`, what it would catch up on (which a probe's wait is priced by:
+    policy.stand_down_price)."""
+
+    __slots__ = ("seqs", "plan", "stretches")
+
+    def __init__(self, seqs: list[SeqState], plan: StepPlan, stretches: DraftStretches | None):
+        self.seqs, self.plan, self.stretches = seqs, plan, stretches
+
+    def __call__(self, k: int) -> float:
+        return switch_cost([_behind(s) for s in self.seqs], [p.left for p in self.plan.seqs], k,
+                           self.stretches.horizon() if self.stretches is not None else None)
+
+    def least_lag(self) -> int:
+        """The fewest tokens a row's draft has to catch up on, its prompt's included (the `cheapest` row's)."""
+        return min(len(s.tokens) - s.draft_len for s in self.seqs)
+
+    def cheapest(self, start: int) -> int:
+        """The row whose draft has the fewest tokens to catch up on, its prompt's included (what its
+        first draft forward runs over), the first from row `start` on among equals."""
+        lags = [len(s.tokens) - s.draft_len for s in self.seqs]
+        n = len(lags)
+        return min(range(n), key=lambda i: (lags[i], (i - start) % n))
 
 
 def _behind(s: SeqState) -> int:
