@@ -76,6 +76,13 @@ class OneRowStep(SpecStep):
         self._watched = True
         return one.next_at
 
+    def draft_next(self):
+        """SpecStep.draft_next: the compiled OneRow's, over the slab rows the draft loop took
+        (draft_inputs), where early_stop answered; None for the Python OneRow or own buffers."""
+        if not (self._lent and self._watched and self.policy.fused_drafts):
+            return None
+        return getattr(self._one, "draft_next", None)
+
     def keep(self, top_prob: np.ndarray, token_prob: np.ndarray, margin: np.ndarray, tokens) -> list[int]:
         """SpecStep.keep: [drafts the sequence validates] of the m drafted (top_prob, margin: (1, m))."""
         m, cap = top_prob.shape[1], self.max_keep_list[0]

@@ -96,6 +96,7 @@ class SpecPolicy:
         # adaptive steps of one sequence on the logistic estimate as OneRowSteps (False: SpecSteps, which
         # decide alike in more Python; tests compare the two)
         self.one_row_steps = self.logistic_estimates
+        self.fused_drafts = True  # ... whose draft loop asks the early stop in the draft kernel's call (draft_next)
         self._one_row: dict[int, tuple] = {}  # batch 1, per level (controller/history.py): (time model, extra, OneRow)
         self.seq_history = cfg.adaptive.seq_history  # batch 1: the sequence's own record shifts its rates
         self._compiled_weights: tuple | None = None  # (logistic weights, as the kernels take them)

@@ -169,6 +169,13 @@ class SpecStep:
         of the policy's draft slab)."""
         return None
 
+    def draft_next(self):
+        """Asked by the draft loop after early_stop: a callable (logits, tokens, inputs, j) -> bool that
+        writes position j's confidence inputs into the loop's buffers and answers the early stop after
+        it in one call, or None (the loop calls the kernel and early_stop's answer apart). Batch 1's
+        compiled OneRowStep has one."""
+        return None
+
     def early_stop(self, top_prob: np.ndarray, margin: np.ndarray, tokens):
         """The early stop over the draft loop's (budget, n) buffers, which it fills a row per
         position: a callable j -> keep_drafting after j drafts, or None where the step drafts

@@ -92,6 +92,36 @@ def test_early_stop_skips_draft_steps(sharegpt_prompts, reference):
         engine.shutdown()
 
 
+def test_batch_1_folds_the_early_stop_into_the_draft_kernel(sharegpt_prompts, reference, monkeypatch):
+    """One greedy sequence at a time on the compiled OneRow: the draft loop makes each position's
+    confidence inputs and its early stop with one call (OneRowStep.draft_next), which stops some
+    steps short of their budget, and the tokens are the target's own."""
+    from controller.one_row_step import OneRowStep
+
+    answers, made = [], OneRowStep.draft_next
+
+    def counted(self):
+        fused = made(self)
+        if fused is None:
+            return None
+
+        def call(*args):
+            answers.append(fused(*args))
+            return answers[-1]
+        return call
+
+    monkeypatch.setattr(OneRowStep, "draft_next", counted)
+    engine = local_engine(tiny_config("parallel.tp_size=1", "engine.max_num_seqs=1", *ADAPTIVE))
+    try:
+        if engine.workers.worker.runner.policy.compiled is None:
+            pytest.skip("the CPU kernels did not load")
+        engine.time_models.install(PRUNING_MODEL)
+        assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
+    finally:
+        engine.shutdown()
+    assert True in answers and False in answers
+
+
 def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts, reference):
     """A draft step that costs a second: no acceptance rate could make drafting pay, so no step
     drafts, past the cold start not even a probe, and the text is the target's."""

@@ -2,6 +2,7 @@
 a row's output does not depend on the batch it was computed in."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,37 @@ def test_draft_top2_matches_softmax_and_topk(ops, vocab):
     again = torch.empty(9, dtype=torch.float64)
     ops.draft_top2(logits[[0]], tokens[:1], again[:1], again[1:2])
     assert again[0] == top[0] and again[1] == margin[0]  # a row's answer does not depend on the batch
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_draft_top2_at_writes_a_draft_position_of_the_loops_buffers(ops, kernel, monkeypatch):
+    """draft_top2_at(logits, tokens, inputs, j): draft_top2's tokens, top probabilities and margins
+    into row j of (budget, n) tokens and (3, budget, n) inputs, the drafted token's probability set
+    to the top one, nothing else touched; into contiguous buffers and into a strided slab's rows
+    (SpecPolicy.draft_slab's); by the kernel and by the torch path alike."""
+    from workers import sampler
+
+    if not kernel:
+        monkeypatch.setattr(sampler, "_row_kernels", lambda logits: None)
+    n, budget, vocab = 3, 4, 1000
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(2)) * 4
+    want_tokens, want_top, want_margin = torch.full((n,), -1), torch.zeros(n, dtype=torch.float64), \
+        torch.zeros(n, dtype=torch.float64)
+    sampler.draft_top2(logits, want_tokens, want_top, want_margin)  # the same path's draft_top2
+    slab = torch.from_numpy(np.full((3, 20, n), -1.0))
+    for inputs in (torch.full((3, budget, n), -1.0, dtype=torch.float64), slab[:, 5:5 + budget]):
+        tokens = torch.full((budget, n), -1)
+        sampler.draft_top2_at(logits, tokens, inputs, 2)
+        assert tokens[2].tolist() == want_tokens.tolist() and (tokens[[0, 1, 3]] == -1).all()
+        assert inputs[0, 2].tolist() == want_top.tolist() == inputs[2, 2].tolist()
+        assert inputs[1, 2].tolist() == want_margin.tolist()
+        assert (inputs[:, [0, 1, 3]] == -1).all()
+    assert (slab[:, :7] == -1).all() and (slab[:, 8:] == -1).all()  # the slab's other rows untouched
+    if kernel:
+        with pytest.raises(RuntimeError, match="no draft position"):
+            ops.draft_top2_at(logits, tokens, inputs, budget)
+        with pytest.raises(RuntimeError, match="float64"):
+            ops.draft_top2_at(logits, tokens, inputs.float(), 0)
 
 
 def test_draft_top2_gives_no_confidence_to_a_row_that_is_no_distribution(ops, monkeypatch):

@@ -166,6 +166,46 @@ def test_a_step_begun_at_a_row_of_the_slab_reads_its_drafts_there(ops):
             one.begin(100, k, k, rows - k + 1)
 
 
+def test_draft_next_writes_a_position_and_answers_the_early_stop_as_next_at(ops):
+    """OneRow.draft_next(logits, tokens, inputs, j) over a step's slab rows: draft_top2_at's
+    writes, then next_at(j + 1)'s answer, the same as the two calls apart; buffers that are
+    not the ones the OneRow reads are refused."""
+    import torch
+
+    rng = np.random.default_rng(4)
+    k, rows = 5, 30
+    costs = _random_costs(rng, k)
+    weights = ops.LogisticWeights([[0.5, 1.0, -0.5, 2.0]] * k)
+    draft = [draft_units(0.05 * j) for j in range(k + 2)]
+    rates = rng.uniform(0.3, 1, k + 1).tolist()
+    pair = []
+    for _ in range(2):
+        slab = np.zeros((3, rows, 1))
+        one = new_one_row(costs, 0.0, k, weights, ops)
+        one.set_terms(draft, rates)
+        one.set_budget(0.001, 1.0, 0, [[]] + [[(1, 1.5, 2.0, 1.0)]] * k, 1.0, 1000.0)
+        one.watch_slab(slab[0], slab[1])
+        one.begin(100, k, k, 6)
+        pair.append((one, slab))
+    gen = torch.Generator().manual_seed(1)
+    logits = [torch.randn(1, 500, generator=gen) * s for s in (8.0, 3.0, 1.0, 0.3)]
+    (fused, fslab), (apart, aslab) = pair
+    ftok, atok = torch.zeros(k, 1, dtype=torch.long), torch.zeros(k, 1, dtype=torch.long)
+    finputs, ainputs = torch.from_numpy(fslab)[:, 6:6 + k], torch.from_numpy(aslab)[:, 6:6 + k]
+    got = []
+    for j, lg in enumerate(logits):
+        a = fused.draft_next(lg, ftok, finputs, j)
+        ops.draft_top2_at(lg, atok, ainputs, j)
+        got.append((a, apart.next_at(j + 1)))
+    assert all(a == b for a, b in got) and np.array_equal(fslab, aslab) and torch.equal(ftok, atok)
+    assert fused.keep_at(len(logits)) == apart.keep_at(len(logits))
+    fused.begin(100, k, k, 6)
+    with pytest.raises(ValueError, match="not the buffers"):
+        fused.draft_next(logits[0], ftok, torch.zeros(3, k, 1, dtype=torch.float64), 0)
+    with pytest.raises(IndexError, match="no such position"):
+        fused.draft_next(logits[0], ftok, finputs, k)
+
+
 def test_a_restarted_one_row_is_a_new_one():
     """restart (a later step of the same time model) leaves what a new OneRow for that step has."""
     a = step_costs(TimeModel(b2=0.001, o0=0.2, o1=0.1), [300], 6)

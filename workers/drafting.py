@@ -11,7 +11,7 @@ import torch
 
 from workers.plan import SamplingParams
 from workers.proposer import Proposer, SeqState
-from workers.sampler import draft_sample, draft_top2, probs_from_logits, uniform
+from workers.sampler import draft_sample, draft_top2_at, probs_from_logits, uniform
 
 
 @dataclass
@@ -60,20 +60,24 @@ def draft(proposer: Proposer, seqs: list[SeqState], params: list[SamplingParams]
         return DraftBlock(torch.zeros(n, 0, dtype=torch.long), empty, empty, 0, {}, empty, empty)
     if rows is None:
         return draft_rows(proposer, seqs, params, step.budget, step.early_stop, trace, block_size, device,
-                          step.draft_inputs(step.budget))
+                          step.draft_inputs(step.budget), step.draft_next)
     part = draft_rows(proposer, [seqs[i] for i in rows], [params[i] for i in rows], step.budget,
                       step.early_stop, trace, block_size, device)
     return part.placed(rows, n)
 
 def draft_rows(proposer: Proposer, seqs: list[SeqState], params: list[SamplingParams], budget: int, early_stop,
-               trace: bool, block_size: int, device: torch.device, given: np.ndarray | None = None) -> DraftBlock:
+               trace: bool, block_size: int, device: torch.device, given: np.ndarray | None = None,
+               draft_next=None) -> DraftBlock:
     """Up to `budget` draft positions for every one of seqs; early_stop: SpecStep.early_stop
     (its answer None: no early stop).
     Position j's tokens and confidence inputs go into row j of (budget, n) buffers, which
     the early stop and the block read: nothing is stacked or converted between the
-    draft's forward passes but one kernel call (sampler.draft_top2). given: (3, budget, n)
+    draft's forward passes but one kernel call (sampler.draft_top2_at). given: (3, budget, n)
     float64 buffers to use for the top probability, margin and drafted token's probability
-    (SpecStep.draft_inputs), else new ones."""
+    (SpecStep.draft_inputs), else new ones. draft_next: SpecStep.draft_next, asked once the
+    early stop is made; where it gives a callable, a greedy step without a trace makes each
+    position's confidence inputs and its early stop with that one call (its time then counts
+    as the draft's, not the control's)."""
     n = len(seqs)
     sampled = [i for i, sp in enumerate(params) if not sp.greedy]
     qs = {i: [] for i in sampled}
@@ -86,14 +90,20 @@ def draft_rows(proposer: Proposer, seqs: list[SeqState], params: list[SamplingPa
         top, margin, chosen = given
     t0 = time.perf_counter()
     keep_drafting = early_stop(top, margin, tokens)
+    fused = draft_next() if draft_next is not None and keep_drafting is not None and not sampled and not trace \
+        else None
     entropies, control_ms, m = [], (time.perf_counter() - t0) * 1e3, 0
     run, logits = proposer.begin(seqs, block_size)
     for j in range(budget):
         m = j + 1
         logits = logits.float().cpu()
+        if fused is not None and j < budget - 1:  # this position's confidence inputs and the early stop, one call
+            if not fused(logits, tokens, inputs, j):
+                break
+            logits = proposer.next(run, tokens[j].to(device))
+            continue
+        draft_top2_at(logits, tokens, inputs, j)
         d = tokens[j]
-        draft_top2(logits, d, inputs[0, j], inputs[1, j])
-        chosen[j] = top[j]
         for i in sampled:
             # a row that is no distribution (draft_top2 gave it no confidence) proposes from the
             # uniform one: any q the drafts are drawn from keeps the rejection test exact

@@ -68,6 +68,19 @@ def draft_top2(logits: torch.Tensor, tokens: torch.Tensor, top: torch.Tensor, ma
     margin.copy_(torch.where(valid, two[:, 0] - two[:, 1], 0.0))
 
 
+def draft_top2_at(logits: torch.Tensor, tokens: torch.Tensor, inputs: torch.Tensor, j: int) -> None:
+    """draft_top2 into draft position j of the draft loop's buffers: tokens (budget, n) int64 and
+    inputs (3, budget, n) float64 (top probability, margin, and the drafted token's probability,
+    set to the top one: a greedy row's). On the CPU one kernel call, where the three views and
+    the row copy had cost a draft step a few microseconds between forward passes."""
+    ops = _row_kernels(logits)
+    if ops is not None and tokens.is_contiguous() and inputs.stride(2) == 1:
+        ops.draft_top2_at(logits, tokens, inputs, j)
+        return
+    draft_top2(logits, tokens[j], inputs[0, j], inputs[1, j])
+    inputs[2, j] = inputs[0, j]
+
+
 def uniform(vocab: int) -> torch.Tensor:
     """The uniform distribution over vocab tokens, (vocab,) float32."""
     return torch.full((vocab,), 1.0 / vocab)

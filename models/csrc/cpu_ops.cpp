@@ -245,6 +245,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& top, torch::Tensor& margin);
+void draft_top2_at(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& inputs, int64_t j);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 // one_row.cpp: batch 1's speculation decisions
@@ -263,6 +264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil());
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index", nogil());
   m.def("draft_top2", &draft_top2, "per row: the softmax's top token, its probability and the margin to the second", nogil());
+  m.def("draft_top2_at", &draft_top2_at, "draft_top2 into draft position j of the draft loop's buffers", nogil(),
+        py::arg("logits"), py::arg("tokens"), py::arg("inputs"), py::arg("j"));
   m.def("pack_linear_weight", &pack_linear_weight, "pack a linear weight into 16-wide panels", nogil());
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with a packed W (int8: and its scales)", nogil(),
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("scale") = py::none());

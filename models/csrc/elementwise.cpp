@@ -168,9 +168,16 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // float64 (both 0 for a row that is no distribution). Where torch took a softmax, a top-2
 // and their conversions (about 110 us a draft step at batch 1, between forward passes), this
 // is one call. Sums run in a fixed order: the same bits on every rank.
+namespace {
+
+// draft_top2 over n rows of logits (row stride ld) into n tokens, top probabilities and margins.
+void top2_rows(const float* lp, int64_t n, int64_t V, int64_t ld, int64_t* tp, double* pp, double* mp);
+
+}  // namespace
+
 void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& top, torch::Tensor& margin) {
   check_rows(logits, "logits");
-  const int64_t n = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  const int64_t n = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V >= 2, "logits need at least two columns");
   for (const torch::Tensor* t : {&tokens, &top, &margin}) {
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 1 && t->is_contiguous() && t->numel() == n,
@@ -178,10 +185,35 @@ void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tenso
   }
   TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && top.scalar_type() == torch::kFloat64 &&
               margin.scalar_type() == torch::kFloat64, "tokens must be int64, top and margin float64");
-  const float* lp = logits.data_ptr<float>();
-  int64_t* tp = tokens.data_ptr<int64_t>();
-  double* pp = top.data_ptr<double>();
-  double* mp = margin.data_ptr<double>();
+  top2_rows(logits.data_ptr<float>(), n, V, logits.stride(0), tokens.data_ptr<int64_t>(), top.data_ptr<double>(),
+            margin.data_ptr<double>());
+}
+
+// draft_top2 into draft position j of the draft loop's buffers: tokens (budget, n) int64,
+// contiguous, and inputs (3, budget, n) float64 with contiguous rows (top probability, margin,
+// and the drafted token's probability, set to the top one: a greedy row's). Where the loop had
+// taken three views of them and copied a row between forward passes, this is one call.
+void draft_top2_at(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& inputs, int64_t j) {
+  check_rows(logits, "logits");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 2, "logits need at least two columns");
+  TORCH_CHECK(tokens.device().is_cpu() && tokens.dim() == 2 && tokens.is_contiguous() && tokens.size(1) == n &&
+              tokens.scalar_type() == torch::kInt64, "tokens must be a contiguous (budget, n) int64 CPU tensor");
+  TORCH_CHECK(inputs.device().is_cpu() && inputs.dim() == 3 && inputs.size(0) == 3 &&
+              inputs.size(1) == tokens.size(0) && inputs.size(2) == n && inputs.stride(2) == 1 &&
+              inputs.scalar_type() == torch::kFloat64,
+              "inputs must be a (3, budget, n) float64 CPU tensor with contiguous rows");
+  TORCH_CHECK(0 <= j && j < tokens.size(0), "draft_top2_at: no draft position ", j, " in buffers of ", tokens.size(0));
+  double* top = inputs.data_ptr<double>() + j * inputs.stride(1);
+  double* margin = top + inputs.stride(0);
+  double* chosen = margin + inputs.stride(0);
+  top2_rows(logits.data_ptr<float>(), n, V, logits.stride(0), tokens.data_ptr<int64_t>() + j * n, top, margin);
+  std::copy(top, top + n, chosen);
+}
+
+namespace {
+
+void top2_rows(const float* lp, int64_t n, int64_t V, int64_t ld, int64_t* tp, double* pp, double* mp) {
   adaspec::parallel_for(0, n, grain(V), [&](int64_t begin, int64_t end) {
     using adaspec::VL;
     using adaspec::vecf;
@@ -234,6 +266,8 @@ void draft_top2(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tenso
     }
   });
 }
+
+}  // namespace
 
 // The index of each row's largest value (the first of equal maxima): (T, V) -> (T,) int64.
 // torch's argmax took 48 us for 4 x 4096 here (137 us between forward passes).

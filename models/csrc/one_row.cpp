@@ -27,6 +27,8 @@
 
 namespace py = pybind11;
 
+void draft_top2_at(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& inputs, int64_t j);
+
 namespace {
 
 constexpr int CONF_BITS = 12;  // controller/decision.py
@@ -204,6 +206,20 @@ class OneRow {
     const int64_t at = (j - 1) * watched_stride_;
     return next(j, at_top_[at], at_margin_[at]);
   }
+  // draft_top2_at into position j of the draft loop's buffers, whose top probabilities and
+  // margins must be the rows this OneRow reads (begin's slab rows, or the watched buffers),
+  // then next_at(j + 1): the draft's confidence inputs and the early stop in one call
+  // between two forward passes.
+  bool draft_next(const torch::Tensor& logits, torch::Tensor& tokens, torch::Tensor& inputs, int64_t j) {
+    if (j < 0 || j >= watched_rows_ || inputs.dim() != 3 || inputs.size(1) <= j || inputs.size(2) != 1 ||
+        inputs.scalar_type() != torch::kFloat64)
+      throw py::index_error("OneRow.draft_next: no such position in the watched buffers");
+    const double* top = inputs.data_ptr<double>() + j * inputs.stride(1);
+    if (top != at_top_ + j * watched_stride_ || top + inputs.stride(0) != at_margin_ + j * watched_stride_)
+      throw py::value_error("OneRow.draft_next: inputs are not the buffers this OneRow reads");
+    draft_top2_at(logits, tokens, inputs, j);
+    return next_at(j + 1);
+  }
   // The keep count after m drafts: best(draft time of m, m).
   int64_t keep(int64_t m) const { return best(draft_units_.at(size_t(m)), m).first; }
   // keep(m), the drafts not yet added read from the watched buffers first.
@@ -310,6 +326,7 @@ void bind_one_row(py::module& m) {
       .def("watch", &OneRow::watch, py::arg("top").noconvert(), py::arg("margin").noconvert())
       .def("watch_slab", &OneRow::watch_slab, py::arg("top").noconvert(), py::arg("margin").noconvert())
       .def("next_at", &OneRow::next_at, py::arg("j"))
+      .def("draft_next", &OneRow::draft_next, py::arg("logits"), py::arg("tokens"), py::arg("inputs"), py::arg("j"))
       .def("keep", &OneRow::keep, py::arg("m"))
       .def("keep_at", &OneRow::keep_at, py::arg("m"))
       .def_property_readonly("drafts", &OneRow::drafts);
