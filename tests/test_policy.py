@@ -681,7 +681,7 @@ def test_a_probe_waits_on_what_it_would_cost_its_first_one_included():
     """From two sequences on, a bucket's probe also waits `base` times what it would cost now beyond
     a plain step (policy.stand_down_price: its row's catch-up at the time model's catchup_ms): the
     bucket's first probe, which no earlier probe's price had stretched, waits 32 steps for a row no
-    further behind than a steady step and about 32 * 6.3 for one 300 tokens behind; standing down
+    further behind than a steady step and about 32 * 4.5 for one 300 tokens behind; standing down
     meanwhile, the held stand-down names that step (no step in between goes the full way)."""
     n = 16
     model = TimeModel(version=1, b0=5.0, b1=0.1, d0=0.05, d1=0.0, catchup_ms=0.1)
