@@ -272,10 +272,14 @@ class SpecPolicy:
         if start is None or model.b2 * float(total) < start:
             return None
         step = PlainStep(self, model, kv, max_keep, k)
-        if not cold:  # (a cold start's steps may probe at any step)
-            pays = self.terms.could_pay(model, n, k)
-            down = self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n), pays,
-                                              price() if pays and price is not None else 1.0)
+        pays = self.terms.could_pay(model, n, k)
+        # a cold start's steps may probe at any step where drafting could pay (not held); where it could not,
+        # they probe on the schedule alone, as a held stand-down does (an engine that never drafts stays cold:
+        # unheld, each of its steps had gone this way, 10 us a step served at 75% of saturation)
+        if not cold or not pays:
+            may_probe = pays or cold
+            down = self._downs[n] = StandDown(version, model, k, start, self.probes, batch_bucket(n), may_probe,
+                                              price() if may_probe and price is not None else 1.0)
             down.step = step
         return step
 

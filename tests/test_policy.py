@@ -710,6 +710,43 @@ def test_a_probe_waits_on_what_it_would_cost_its_first_one_included():
         assert len(full) <= 3  # the first, the held one's probe step, the probe
 
 
+def test_a_cold_engine_where_drafting_could_not_pay_holds_its_stand_down():
+    """During a cold start, where drafting could not pay were every draft accepted, a step stands
+    down and probes on the schedule alone; the stand-down is held (held_plain hands it out) as a
+    warm engine's is, and its steps are those of a policy deciding every step afresh: an engine
+    that never drafts stays cold, and unheld each of its steps went decide_step's whole way."""
+    n, k = 8, 4
+    model = TimeModel(version=1, b0=1.0, b1=0.5, d0=9.0, d1=0.0)  # drafting could not pay at 8
+    held, fresh = _policy(k), _policy(k)
+    for policy in (held, fresh):
+        policy.install(model)
+    assert held.cold and not held.terms.could_pay(model, n, k)
+    full, decide = [], held.decide_step
+
+    def counted(*args, **kwargs):
+        full.append(1)
+        return decide(*args, **kwargs)
+
+    held.decide_step = counted
+    seen = []
+    for _ in range(300):
+        fresh._downs.clear()  # decided afresh
+        got = []
+        for policy in (held, fresh):
+            step = policy.begin_step("adaptive", [100] * n, [k] * n, 1, k)
+            got.append((type(step).__name__, step.probe, step.budget, step.rows))
+            if step.budget:
+                top = np.full((n, step.budget), 0.01)
+                keep = step.keep(top, top, top / 2, None)
+                policy.end_step(step, top, top / 2, keep, [0] * n)
+            else:
+                policy.end_plain_step(step)
+        assert got[0] == got[1]
+        seen.append(got[0])
+    assert held.cold and any(g[1] for g in seen)  # still cold; the schedule's probes came
+    assert sum(g[0] == "PlainStep" for g in seen) > 250 and len(full) < 30
+
+
 def test_batch_1_verifies_every_draft_when_the_exploration_rotation_reaches_it():
     """At batch 1 (its OneRow decides) exploration falls on the one sequence every
     EXPLORE_EVERY-th adaptive step: that step verifies every draft made, whatever the rule
