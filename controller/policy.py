@@ -13,6 +13,7 @@ Modes (chosen per step by the plan):
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -68,20 +69,6 @@ def _price(tm: TimeModel, n: int, total: int, rows: int, steps: int, catchup_tok
     extra = (tm.draft_ms(rows, steps) + tm.drafting_extra_ms(rows)
              + tm.catchup_ms * max(catchup_tokens - SWEEP_CATCHUP * rows, 0))
     return extra / plain if plain > 0.0 else 1.0
-
-
-class _Memo:
-    """A callable's answer, computed on the first call."""
-
-    __slots__ = ("f", "value")
-
-    def __init__(self, f):
-        self.f, self.value = f, None
-
-    def __call__(self):
-        if self.value is None:
-            self.value = self.f()
-        return self.value
 
 
 class SpecPolicy:
@@ -229,11 +216,10 @@ class SpecPolicy:
             # where no acceptance rate could make drafting pay, a probe could learn nothing the budget reads (but
             # for the first drafts that end a cold start: DESIGN.md section 8, probes); asked only where one is due.
             # From two sequences on a probe also waits on what it would cost (its row's catch-up): stand_down_price
-            price = None
-            if n > 1 and k and hasattr(catchup, "least_lag"):
+            price, lag = None, getattr(catchup, "least_lag", None)
+            if n > 1 and k and lag is not None:
                 total = sum(kv) if isinstance(kv, list) else int(kv.sum())
-                lag = catchup.least_lag
-                price = _Memo(lambda: stand_down_price(model, n, total, lag()))
+                price = functools.cache(lambda: stand_down_price(model, n, total, lag()))  # asked twice at most
             probe = self.probes.due(n, cold=learning, allowed=None if cold else lambda: k > 0 and
                                     self.terms.could_pay(model, n, k), price=price)
             cheapest = getattr(catchup, "cheapest", None)  # (the row a stand-down probe drafts for)

@@ -319,15 +319,21 @@ class RowsBehind:
                            self.stretches.horizon() if self.stretches is not None else None)
 
     def least_lag(self) -> int:
-        """The fewest tokens a row's draft has to catch up on, its prompt's included (the `cheapest` row's)."""
-        return min(len(s.tokens) - s.draft_len for s in self.seqs)
+        """The fewest tokens a row's draft has to catch up on (the `cheapest` row's: _lag)."""
+        return min(_lag(s) for s in self.seqs)
 
     def cheapest(self, start: int) -> int:
-        """The row whose draft has the fewest tokens to catch up on, its prompt's included (what its
-        first draft forward runs over), the first from row `start` on among equals."""
-        lags = [len(s.tokens) - s.draft_len for s in self.seqs]
+        """The row whose draft has the fewest tokens to catch up on (_lag), the first from row
+        `start` on among equals."""
+        lags = [_lag(s) for s in self.seqs]
         n = len(lags)
         return min(range(n), key=lambda i: (lags[i], (i - start) % n))
+
+
+def _lag(s: SeqState) -> int:
+    """Tokens s's next draft forward runs over before its first position: all since its draft last
+    ran, its prompt's included (unlike _behind, which prices a switch)."""
+    return len(s.tokens) - s.draft_len
 
 
 def _behind(s: SeqState) -> int:
