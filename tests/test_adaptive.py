@@ -98,28 +98,44 @@ def test_batch_1_folds_the_early_stop_into_the_draft_kernel(sharegpt_prompts, re
     steps short of their budget, and the tokens are the target's own."""
     from controller.one_row_step import OneRowStep
 
-    answers, made = [], OneRowStep.draft_next
+    answers, positions, made = [], [], OneRowStep.draft_next
 
     def counted(self):
         fused = made(self)
         if fused is None:
             return None
 
-        def call(*args):
-            answers.append(fused(*args))
+        def call(logits, tokens, inputs, j):
+            answers.append(fused(logits, tokens, inputs, j))
+            positions.append(j)
             return answers[-1]
         return call
 
+    drafted, kept = [], OneRowStep.keep
+
+    def keep(self, top_prob, *rest):  # the drafts the step made, after the fused calls it answered
+        drafted.append((len(answers), top_prob.shape[1]))
+        return kept(self, top_prob, *rest)
+
     monkeypatch.setattr(OneRowStep, "draft_next", counted)
+    monkeypatch.setattr(OneRowStep, "keep", keep)
     engine = local_engine(tiny_config("parallel.tp_size=1", "engine.max_num_seqs=1", *ADAPTIVE))
     try:
         if engine.workers.worker.runner.policy.compiled is None:
             pytest.skip("the CPU kernels did not load")
+        _warm(engine, 0.6)  # past batch 1's cold start, whose every step probes (no early stop)
         engine.time_models.install(PRUNING_MODEL)
         assert token_ids(engine.generate(sharegpt_prompts, greedy(MAX_TOKENS))) == reference
     finally:
         engine.shutdown()
     assert True in answers and False in answers
+    # a stop ends its step's drafting: the step made the drafts up to the stop, no more
+    prev, stopped = 0, []
+    for calls, m in drafted:
+        if calls > prev and not answers[calls - 1]:  # this step's last fused call said stop
+            stopped.append((positions[calls - 1] + 1, m))
+        prev = calls
+    assert stopped and all(at == m for at, m in stopped)
 
 
 def test_budget_turns_speculation_off_when_drafting_cannot_pay(sharegpt_prompts, reference):
