@@ -288,13 +288,16 @@ class SpecPolicy:
         held = self._stand_down(model, kv, max_keep, version, k, kv[0], False)
         return one if held is None else held
 
-    def held_plain(self, kv, max_keep, version: int, k: int):
+    def held_plain(self, kv, max_keep, version: int, k: int, counted: bool = False):
         """begin_step's fast path for an adaptive step, which the runner asks first: the step's PlainStep
         where this batch size's last stand-down (controller/stand_down.py) still holds, else None (then
         begin_step decides). Counted as begin_step counts it. The PlainStep is the stand-down's own,
         handed out again at each such step with this step's kv and caps: the step reads it until
         end_plain_step and keeps nothing of it (a new one each step, and the runner's catch-up
-        callable, had cost a standing-down step about 1.5 us more)."""
+        callable, had cost a standing-down step about 1.5 us more). counted: the step's end is counted
+        here too, as end_plain_step would count it (a held step is no probe), and the caller does not
+        call that: the runner's steps standing down, where the second call, cold after the forward, had
+        cost about 2 us a step."""
         down = self._downs.get(len(kv))
         if down is None or version != down.version or k != down.k:
             return None
@@ -306,6 +309,8 @@ class SpecPolicy:
         self.adaptive_steps += 1
         step = down.step
         step.kv, step.max_keep_list, step._full = kv, max_keep, None
+        if counted:
+            self._count_step(0)
         return step
 
     def draft_row(self, k: int) -> int | None:

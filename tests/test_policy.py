@@ -554,6 +554,42 @@ def test_standing_down_where_no_acceptance_could_pay_stays_on_the_fast_path():
     assert fast.probes.steps == full.probes.steps and fast.probes.probes == full.probes.probes == 0
 
 
+def test_a_held_step_counted_at_its_start_is_the_step_ended_as_usual():
+    """The runner's held stand-down, its end counted by held_plain (counted=True) and not by
+    end_plain_step: over steps that draft, stand down, probe and run calibration batches at two
+    batch sizes, every step and the policy's counts are those of begin_step and the usual end."""
+    rng = np.random.default_rng(3)
+    runner, usual = _policy(4), _policy(4)
+    tm = TimeModel(version=1, b0=1.0, b1=0.05, b2=1e-4, d0=0.3, d1=0.01)
+    for policy in (runner, usual):
+        _teach(policy, 0.7)
+        policy.install(tm)
+    held = drafted = held_calibrations = 0
+    for i in range(3000):
+        n = 4 + (i // 7) % 2
+        # stretches of drafting, then standing down for longer than a calibration batch's most steps (OBSERVE_MAX)
+        kv = [int(c) for c in rng.integers(200, 900, n)] if i % 700 < 60 else [6000] * n
+        accepted = rng.integers(0, 5, n)
+        before = runner.calibrations
+        a = runner.held_plain(kv, [4] * n, 1, 4, counted=True)
+        counted = a is not None
+        if a is None:
+            a = runner.decide_step("adaptive", kv, [4] * n, 1, 4)
+        b = usual.begin_step("adaptive", kv, [4] * n, 1, 4)
+        assert (type(a), a.budget, a.probe) == (type(b), b.budget, b.probe), i
+        held += counted
+        drafted += a.budget > 0
+        for policy, step, skip in ((runner, a, counted), (usual, b, False)):
+            if not skip:
+                _finish(policy, step, lambda keep: np.minimum(keep, accepted))
+        held_calibrations += counted and runner.calibrations > before
+        assert (runner.calibrations, runner._observed, runner.adaptive_steps) == \
+               (usual.calibrations, usual._observed, usual.adaptive_steps), i
+        assert runner.probes.steps == usual.probes.steps and runner.probes.probes == usual.probes.probes, i
+    assert held > 1000 and drafted > 150 and held_calibrations >= 3 and runner.probes.probes > 3, \
+        (held, drafted, held_calibrations, runner.probes.probes)
+
+
 def test_a_stand_down_is_held_for_each_batch_size():
     """Served, a batch's size moves every few steps as requests arrive and finish: each size's
     stand-down is held, so a batch going 4, 5, 4, 5 .. stays on the fast path after a step at

@@ -150,12 +150,14 @@ class ModelRunner:
         k = max(max_keep) if self.proposer is not None else 0
         t0 = time.perf_counter()
         step = None
+        counted = False  # the step's end counted already (held_plain's `counted`)
         if k and plan.mode == "adaptive":
             if len(seqs) == 1 and not self.policy.seq_history and _behind(seqs[0]) <= k + 1:
                 # batch 1's usual step: no catch-up to price, no record to hand (one call)
                 step = self.policy.begin_alone(kv, max_keep, plan.time_model_version, k)
-            else:  # standing down as the step before did: the policy's held answer, asked first
-                step = self.policy.held_plain(kv, max_keep, plan.time_model_version, k)
+            else:  # standing down as the step before did: the policy's held answer, asked first, its end counted
+                step = self.policy.held_plain(kv, max_keep, plan.time_model_version, k, counted=True)
+                counted = step is not None
         if step is None:
             step = self.policy.decide_step(plan.mode, kv, max_keep, plan.time_model_version, k, _oracle(plan, k),
                                            _catchup(seqs, plan, k, self.stretches) if k and plan.mode == "adaptive"
@@ -165,7 +167,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         if step.budget == 0:
             stats.control_ms = (t1 - t0) * 1e3
-            return self._decode_plain(plan, seqs, kv, step, stats)
+            return self._decode_plain(plan, seqs, kv, step, stats, counted)
         draft = drafting.draft(self.proposer, seqs, [p.sampling for p in plan.seqs], step, plan.trace,
                                self.block_size, self.device)
         t2 = time.perf_counter()
@@ -205,10 +207,11 @@ class ModelRunner:
                                     _rounded(draft.entropy), keep, accepted, step.probe)
         return outputs
 
-    def _decode_plain(self, plan: StepPlan, seqs: list[SeqState], kv: list[int], step, stats: StepStats):
+    def _decode_plain(self, plan: StepPlan, seqs: list[SeqState], kv: list[int], step, stats: StepStats,
+                      counted: bool = False):
         """A step that drafts nothing (plain decoding, or adaptive standing down): one token per
         sequence, with none of the draft block's arrays (what `_decode` would do with an empty
-        draft, about 20 us less a step at batch 1)."""
+        draft, about 20 us less a step at batch 1). counted: the policy counted its end already."""
         n = len(seqs)
         t1 = time.perf_counter()
         batch = AttnBatch.build(kv, [1] * n, [s.block_table for s in seqs], self.block_size, self.device)
@@ -228,9 +231,10 @@ class ModelRunner:
                 self.stretches.extend(1.0)
             elif self.stretches.open:
                 self.stretches.end()
-        t0 = time.perf_counter()
-        self.policy.end_plain_step(step)
-        stats.control_ms += (time.perf_counter() - t0) * 1e3
+        if not counted:
+            t0 = time.perf_counter()
+            self.policy.end_plain_step(step)
+            stats.control_ms += (time.perf_counter() - t0) * 1e3
         if plan.trace:
             stats.trace = StepTrace(kv, step.max_keep.tolist(), [[]] * n, [[]] * n, [[]] * n, keep,
                                     [0] * n, step.probe)
