@@ -45,6 +45,10 @@ ALONE_COLD_TRIALS = 512  # ... and every step of one sequence until this many: s
 COLD_BATCH = 16  # ... in batches of sequence-steps at least 1/COLD_BATCH of the first drafts held (the first at once)
 
 
+def _never() -> bool:
+    return False
+
+
 def probe_price(step: SpecStep, catchup_tokens: int) -> float:
     """What a probe that drafted cost beyond a plain step of its batch, in such steps, as its time
     model prices them (the same on every rank): its draft forwards, their catch-up past a steady
@@ -200,7 +204,13 @@ class SpecPolicy:
         which builds the catch-up callable only where that said None)."""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
-        if not k and mode == "static":  # plain decoding: nothing to decide (a SpecStep had cost it 2-3 us a step)
+        if not k and mode != "oracle":
+            # nothing to draft: plain decoding (a SpecStep had cost it 2-3 us a step), or an adaptive step with every
+            # sequence's cap at 0 (its last token, in a round's tail: a SpecStep each, and a cold start's probe that
+            # drafted nothing), counted as an adaptive step that cannot probe is
+            if mode == "adaptive":
+                self.adaptive_steps += 1
+                self.probes.due(len(kv), allowed=_never)
             return PlainStep(self, self.model(version), kv, max_keep, 0, mode)
         probe = learning = False
         model = self.model(version)
@@ -299,7 +309,10 @@ class SpecPolicy:
         call that: the runner's steps standing down, where the second call, cold after the forward, had
         cost about 2 us a step."""
         down = self._downs.get(len(kv))
-        if down is None or version != down.version or k != down.k:
+        # held for k drafts, it holds for fewer (a round's last sequences, their caps falling to their last token):
+        # the budget's terms of m <= k' are the first k' of those for k, so its stand-down point and could_pay
+        # for k' are at most those for k (an exact subset: tests/test_policy.py)
+        if down is None or version != down.version or k > down.k:
             return None
         counts, b = down.counts, down.bucket
         count = counts[b] + 1
@@ -308,7 +321,7 @@ class SpecPolicy:
         counts[b] = count
         self.adaptive_steps += 1
         step = down.step
-        step.kv, step.max_keep_list, step._full = kv, max_keep, None
+        step.kv, step.max_keep_list, step.k, step._full = kv, max_keep, k, None
         if counted:
             self._count_step(0)
         return step

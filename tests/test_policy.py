@@ -615,6 +615,42 @@ def test_a_stand_down_is_held_for_each_batch_size():
     assert fast.probes.steps == full.probes.steps and fast.probes.probes == full.probes.probes == 0
 
 
+def test_a_stand_down_held_for_k_drafts_holds_as_the_caps_fall():
+    """A round's last sequences near their ends, their caps (and the step's k) fall to 0: the
+    stand-down held for k drafts answers for fewer, and a step with nothing to draft is a plain
+    step, counted as the full path counts it; each answer is the full path's (which decides each
+    k afresh), and no step between goes it."""
+    fast, full = _policy(7), _policy(7)
+    tm = TimeModel(version=1, b0=1.0, b1=0.05, b2=1e-4, d0=0.3, d1=0.01)
+    for policy in (fast, full):
+        _teach(policy, 0.7, k=7)
+        policy._flush()
+        policy.probes.hold()  # no probe
+        policy.install(tm)
+    at = fast.terms.stand_down_at(tm, 4, 7)
+    assert 0.0 < at < np.inf
+    kv = [int(at / tm.b2 / 4) + 50] * 4
+    full_way, counted0 = [], fast.probes.steps[batch_bucket(4)]
+    calls = fast.decide_step
+    fast.decide_step = lambda *a, **kw: full_way.append(a[4]) or calls(*a, **kw)
+    for i in range(60):
+        k = max(7 - i // 3, 0) if i < 40 else 7 - i % 3
+        a = fast.held_plain(kv, [k] * 4, 1, k, counted=True) if k else None
+        counted = a is not None
+        if a is None:
+            a = fast.decide_step("adaptive", kv, [k] * 4, 1, k)
+        full._downs.clear()
+        b = full.begin_step("adaptive", kv, [k] * 4, 1, k)
+        assert (type(a), a.budget, a.probe) == (type(b), b.budget, b.probe) == (PlainStep, 0, False), (i, k)
+        if not counted:
+            fast.end_plain_step(a)
+        full.end_plain_step(b)
+        assert fast.adaptive_steps == full.adaptive_steps and fast.probes.steps == full.probes.steps, i
+        assert fast.probes.steps[batch_bucket(4)] == counted0 + i + 1, i  # every step counted, k 0's too
+    # once at k = 7, then only where k is 0 (the runner asks decide_step there, which answers plain at once)
+    assert full_way == [7] + [0] * 19, full_way
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_a_time_model_that_prices_everything_at_zero_still_decides(n):
     """A refit on a few samples can price a step at 0 (forced refits every 4 steps at TP=4
