@@ -45,10 +45,6 @@ ALONE_COLD_TRIALS = 512  # ... and every step of one sequence until this many: s
 COLD_BATCH = 16  # ... in batches of sequence-steps at least 1/COLD_BATCH of the first drafts held (the first at once)
 
 
-def _never() -> bool:
-    return False
-
-
 def probe_price(step: SpecStep, catchup_tokens: int) -> float:
     """What a probe that drafted cost beyond a plain step of its batch, in such steps, as its time
     model prices them (the same on every rank): its draft forwards, their catch-up past a steady
@@ -204,13 +200,7 @@ class SpecPolicy:
         which builds the catch-up callable only where that said None)."""
         if mode not in MODES:
             raise ValueError(f"unknown speculation mode {mode!r}; expected one of {MODES}")
-        if not k and mode != "oracle":
-            # nothing to draft: plain decoding (a SpecStep had cost it 2-3 us a step), or an adaptive step with every
-            # sequence's cap at 0 (its last token, in a round's tail: a SpecStep each, and a cold start's probe that
-            # drafted nothing), counted as an adaptive step that cannot probe is
-            if mode == "adaptive":
-                self.adaptive_steps += 1
-                self.probes.due(len(kv), allowed=_never)
+        if not k and mode == "static":  # plain decoding: nothing to decide (a SpecStep had cost it 2-3 us a step)
             return PlainStep(self, self.model(version), kv, max_keep, 0, mode)
         probe = learning = False
         model = self.model(version)

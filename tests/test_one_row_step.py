@@ -8,7 +8,6 @@ from controller import history
 from controller.config import AdaptiveConfig, SpeculativeConfig
 from controller.one_row_step import OneRowStep
 from controller.policy import SpecPolicy
-from controller.stand_down import PlainStep
 from controller.step import SpecStep
 from controller.time_model import TimeModel
 
@@ -133,5 +132,5 @@ def test_a_step_of_one_sequence_is_a_one_row_step_only_on_the_logistic_estimate(
                                               adaptive=AdaptiveConfig(enabled=True, estimator=estimator)))
         policy.install(TimeModel(version=1, **PAYS))
         assert type(policy.begin_step("adaptive", [50], [3], 1, 3)) is kind
-        assert type(policy.begin_step("adaptive", [50], [3], 1, 0)) is PlainStep  # nothing to draft: a plain step
+        assert type(policy.begin_step("adaptive", [50], [3], 1, 0)) is SpecStep  # nothing to draft
         assert type(policy.begin_step("static", [50], [3], 1, 3)) is SpecStep

@@ -616,10 +616,9 @@ def test_a_stand_down_is_held_for_each_batch_size():
 
 
 def test_a_stand_down_held_for_k_drafts_holds_as_the_caps_fall():
-    """A round's last sequences near their ends, their caps (and the step's k) fall to 0: the
-    stand-down held for k drafts answers for fewer, and a step with nothing to draft is a plain
-    step, counted as the full path counts it; each answer is the full path's (which decides each
-    k afresh), and no step between goes it."""
+    """A round's last sequences near their ends, their caps (and the step's k) fall: the
+    stand-down held for k drafts answers for fewer, each answer the full path's (which decides
+    each k afresh), and no step between goes it."""
     fast, full = _policy(7), _policy(7)
     tm = TimeModel(version=1, b0=1.0, b1=0.05, b2=1e-4, d0=0.3, d1=0.01)
     for policy in (fast, full):
@@ -634,8 +633,8 @@ def test_a_stand_down_held_for_k_drafts_holds_as_the_caps_fall():
     calls = fast.decide_step
     fast.decide_step = lambda *a, **kw: full_way.append(a[4]) or calls(*a, **kw)
     for i in range(60):
-        k = max(7 - i // 3, 0) if i < 40 else 7 - i % 3
-        a = fast.held_plain(kv, [k] * 4, 1, k, counted=True) if k else None
+        k = max(7 - i // 3, 1) if i < 40 else 7 - i % 3
+        a = fast.held_plain(kv, [k] * 4, 1, k, counted=True)
         counted = a is not None
         if a is None:
             a = fast.decide_step("adaptive", kv, [k] * 4, 1, k)
@@ -646,9 +645,8 @@ def test_a_stand_down_held_for_k_drafts_holds_as_the_caps_fall():
             fast.end_plain_step(a)
         full.end_plain_step(b)
         assert fast.adaptive_steps == full.adaptive_steps and fast.probes.steps == full.probes.steps, i
-        assert fast.probes.steps[batch_bucket(4)] == counted0 + i + 1, i  # every step counted, k 0's too
-    # once at k = 7, then only where k is 0 (the runner asks decide_step there, which answers plain at once)
-    assert full_way == [7] + [0] * 19, full_way
+        assert fast.probes.steps[batch_bucket(4)] == counted0 + i + 1, i  # every step counted
+    assert full_way == [7], full_way  # once, at k = 7
 
 
 @pytest.mark.parametrize("n", [1, 4])
