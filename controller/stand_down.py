@@ -2,8 +2,8 @@
 one (StepTerms.stand_down_at; `PlainStep`), and begin_step's fast path while it stands down
 step after step without deciding it again (`StandDown`).
 
-Found once, that answer holds for the next steps of the same time model, batch size and k
-until a calibration batch moves the rates (SpecPolicy._set_rates drops it), the batch's summed
+Found once, that answer holds for the next steps of the same time model, batch size and k (or
+fewer: the budget's terms for fewer drafts are the first of k's) until a calibration batch moves the rates (SpecPolicy._set_rates drops it), the batch's summed
 context falls below that point (a sequence swapped for a shorter one), or its bucket's next
 probe is due: begin_step then checks the held terms and counts the step, and nothing else.
 Deciding it again had cost a plain step of 4-16 sequences 12-20 us in a served run (policy,
